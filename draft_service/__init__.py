@@ -1,0 +1,1 @@
+"""draft_service: see DESIGN.md section 2. Built in later issues."""

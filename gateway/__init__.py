@@ -1,0 +1,1 @@
+"""gateway: see DESIGN.md section 2. Built in later issues."""

@@ -1,0 +1,173 @@
+"""The ``tandem`` command: common jobs over the engine and (later) the services.
+
+``tandem generate`` runs in-process for now; its flags and JSON lines are a stable contract.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(
+    help="Tandem: speculative decoding with draft and target as cooperating services.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@app.callback()
+def main(
+    log_level: Annotated[
+        str, typer.Option(envvar="TANDEM_LOG_LEVEL", help="Python logging level.")
+    ] = "WARNING",
+) -> None:
+    logging.basicConfig(
+        level=log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def read_prompts(args: list[str]) -> list[str]:
+    """Each argument is a prompt, or ``@FILE`` naming a JSON list of prompt strings."""
+    prompts: list[str] = []
+    for arg in args:
+        if not arg.startswith("@"):
+            prompts.append(arg)
+            continue
+        path = Path(arg[1:])
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise typer.BadParameter(f"{arg}: {exc}", param_hint="PROMPT") from exc
+        if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
+            raise typer.BadParameter(f"{arg}: expected a JSON list of strings", param_hint="PROMPT")
+        prompts.extend(data)
+    if not prompts:
+        raise typer.BadParameter("no prompts given", param_hint="PROMPT")
+    return prompts
+
+
+@app.command()
+def generate(
+    prompts: Annotated[
+        list[str], typer.Argument(help="Prompt texts; @FILE reads a JSON list of prompts.")
+    ],
+    target: Annotated[
+        Path | None,
+        typer.Option(envvar="TANDEM_TARGET", help="Target checkpoint directory (HF format)."),
+    ] = None,
+    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 16,
+    max_new_tokens: Annotated[
+        int, typer.Option(help="Generated tokens per prompt, at most.")
+    ] = 128,
+    temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p * max prob.")] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option(help="1 = off.")] = 1.0,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of prompt 0's random stream; prompt i uses seed+i.")
+    ] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Keep generating past EOS.")] = False,
+    dtype: Annotated[
+        str, typer.Option(envvar="TANDEM_DTYPE", help="float32, bfloat16 or float16.")
+    ] = "float32",
+    device: Annotated[str, typer.Option(envvar="TANDEM_DEVICE", help="cpu or cuda[:N].")] = "cpu",
+    max_num_seqs: Annotated[int, typer.Option(help="Requests batched at once.")] = 64,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(help="Tokens per forward; longer prompts are prefilled in chunks.")
+    ] = 2048,
+    num_pages: Annotated[int | None, typer.Option(help="KV pool size in pages.")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON object per prompt, one per line.")
+    ] = False,
+) -> None:
+    """Generate text for PROMPTs with the target model alone (in-process)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from tandem.config import EngineConfig
+    from tandem.engine import Engine
+    from tandem.errors import CheckpointError, TandemError
+    from tandem.sampling import SamplingParams
+
+    texts = read_prompts(prompts)
+    if target is None:
+        raise typer.BadParameter("no --target given (or TANDEM_TARGET)", param_hint="--target")
+    err = Console(stderr=True)
+    try:
+        if not (target / "config.json").is_file():
+            raise CheckpointError(f"{target}: no config.json (not a Hugging Face checkpoint dir)")
+        tokenizer = load_tokenizer(target)
+        params = [
+            SamplingParams(
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
+                repetition_penalty=repetition_penalty,
+                seed=None if seed is None else seed + i,
+                max_new_tokens=max_new_tokens,
+                ignore_eos=ignore_eos,
+            )
+            for i in range(len(texts))
+        ]
+        config = EngineConfig(
+            model=target,
+            dtype=dtype,
+            device=device,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_pages=num_pages,
+        )
+        with err.status(f"loading {target}"):
+            engine = Engine(config)
+        prompt_ids = [tokenizer(t)["input_ids"] for t in texts]
+        total = sum(p.max_new_tokens for p in params)
+        with Progress(
+            TextColumn("generating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            console=err,
+            transient=True,
+        ) as bar:
+            task = bar.add_task("generate", total=total)
+            results = engine.generate(prompt_ids, params, lambda n: bar.advance(task, n))
+    except (TandemError, ValueError) as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    out = Console(soft_wrap=True)
+    for text, result in zip(texts, results, strict=True):
+        record: dict[str, Any] = {
+            "prompt": text,
+            "token_ids": result.token_ids,
+            "text": tokenizer.decode(result.token_ids, skip_special_tokens=True),
+            "finish_reason": result.finish_reason.value,
+            "prompt_tokens": len(result.prompt_ids),
+            "completion_tokens": len(result.token_ids),
+        }
+        if as_json:
+            sys.stdout.write(json.dumps(record) + "\n")
+        else:
+            out.print(f"[bold]{text}[/bold]", highlight=False, markup=False)
+            out.print(record["text"], highlight=False, markup=False)
+            err.print(f"[dim]({record['completion_tokens']} tokens, {record['finish_reason']})")
+    sys.stdout.flush()
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    from tandem.errors import CheckpointError
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot load a tokenizer ({exc})") from exc

@@ -1,0 +1,45 @@
+"""Engine configuration (frozen, validated; environment variables use the TANDEM_ prefix)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How one engine loads its model and sizes its batch and KV pool."""
+
+    model: Path  # Hugging Face checkpoint directory
+    dtype: str = "float32"  # one of DTYPES
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    page_size: int = 16  # tokens per KV page
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens per forward; longer prompts are chunked
+    max_model_len: int | None = None  # prompt + output cap; None = the model's context length
+    num_pages: int | None = None  # KV pool size in pages; wins over kv_cache_bytes
+    kv_cache_bytes: int | None = None  # KV pool size as a memory budget
+    gpu_memory_utilization: float = 0.85  # share of free GPU memory for KV when unsized
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device: {self.device!r} is not cpu or cuda[:N]")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        for name in ("max_model_len", "num_pages", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1 when given")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

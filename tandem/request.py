@@ -1,0 +1,61 @@
+"""A request as the engine tracks it: tokens so far, KV progress, sampling state, outcome."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.sampling import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped (mirrors ``tandem.v1.FinishReason``)."""
+
+    STOP = "stop"  # a stop or EOS token
+    LENGTH = "length"  # max_new_tokens or the model's context length
+    ABORT = "abort"  # the client or the operator aborted it
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, kw_only=True)
+class Request:
+    """One generation. ``num_computed`` tokens of ``tokens`` have their KV written."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None

@@ -1,0 +1,322 @@
+"""Logits processing and token sampling, shared by the engine and the speculative verifier.
+
+`process_logits` turns raw logits into the distribution a request samples from, in transformers'
+`generate` order: repetition penalty -> temperature -> top-k -> top-p -> min-p, matching HF's
+processors value for value and mask for mask. The verifier takes its target probabilities from the
+same function (`probs_from_logits`), so speculative sampling preserves exactly the distribution
+that target-only sampling draws from (FlashInfer's verify path forgot min-p, SGLang #10617).
+
+Sampling never waits on the host: per-row parameters are device tensors built once per batch
+composition (`SamplingBatch.build`), the flags that skip unused processors are plain Python values
+fixed at build time, and tokens come from the exponential race argmax(p / E), E ~ Exp(1), instead
+of `torch.multinomial`. Each sampled row draws E from its own generator, so a seed gives the same
+token stream whatever else is in the batch and in whichever row.
+
+Known limitation: top-p sorts the whole vocabulary and top-k runs `torch.topk` up to the batch's
+largest k, one launch per processor; the fused Triton sampler (kernels.md section 5) lifts this.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+import torch
+
+from tandem.errors import InvalidRequest
+
+_NEG_INF = float("-inf")
+_MAX_SEED = 2**63
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise InvalidRequest(name, f"must be a number, got {type(value).__name__}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise InvalidRequest(name, f"must be finite, got {result}")
+    return result
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise InvalidRequest(name, f"must be an integer, got {type(value).__name__}")
+    return int(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How one request picks its tokens; validated on construction.
+
+    Numbers are normalised to Python `float`/`int` and `stop_token_ids` to a tuple, so equal
+    requests compare and hash equal.
+    """
+
+    temperature: float = 0.0  # 0 = greedy (argmax after the repetition penalty)
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # (0, 1]; 1 = off
+    min_p: float = 0.0  # [0, 1); 0 = off
+    repetition_penalty: float = 1.0  # > 0; HF semantics over prompt + generated tokens
+    seed: int | None = None  # per-request random stream; None = the engine picks one
+    max_new_tokens: int = 128  # >= 1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        temperature = _real("temperature", self.temperature)
+        if temperature < 0:
+            raise InvalidRequest("temperature", f"must be >= 0 (0 = greedy), got {temperature}")
+        top_k = _integer("top_k", self.top_k)
+        if top_k < 0:
+            raise InvalidRequest("top_k", f"must be >= 0 (0 = off), got {top_k}")
+        top_p = _real("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {top_p}")
+        min_p = _real("min_p", self.min_p)
+        if not 0.0 <= min_p < 1.0:
+            raise InvalidRequest("min_p", f"must be in [0, 1), got {min_p}")
+        penalty = _real("repetition_penalty", self.repetition_penalty)
+        if not penalty > 0.0:
+            raise InvalidRequest("repetition_penalty", f"must be > 0, got {penalty}")
+        seed = None if self.seed is None else _integer("seed", self.seed)
+        if seed is not None and not 0 <= seed < _MAX_SEED:
+            raise InvalidRequest("seed", f"must be in [0, 2**63), got {seed}")
+        max_new_tokens = _integer("max_new_tokens", self.max_new_tokens)
+        if max_new_tokens < 1:
+            raise InvalidRequest("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+        if not isinstance(self.stop_token_ids, tuple | list):
+            raise InvalidRequest("stop_token_ids", "must be a sequence of token ids")
+        stop_token_ids = tuple(_integer("stop_token_ids", t) for t in self.stop_token_ids)
+        if any(t < 0 for t in stop_token_ids):
+            raise InvalidRequest("stop_token_ids", f"ids must be >= 0, got {stop_token_ids}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest("ignore_eos", f"must be a bool, got {type(self.ignore_eos)}")
+        normalised = {
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "min_p": min_p,
+            "repetition_penalty": penalty,
+            "seed": seed,
+            "max_new_tokens": max_new_tokens,
+            "stop_token_ids": stop_token_ids,
+        }
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(kw_only=True)
+class SamplingBatch:
+    """Per-row sampling state for one step, built once per batch composition.
+
+    Tensors live on the logits' device. Greedy rows carry neutral filters (top_k 0, top_p 1,
+    min_p 0) and no generator: they only take the repetition penalty, so their argmax is HF's
+    greedy choice.
+    """
+
+    temperature: torch.Tensor  # [bs] float32; 0 = greedy row
+    top_k: torch.Tensor  # [bs] int64; 0 = off
+    top_p: torch.Tensor  # [bs] float32
+    # 1 - top_p subtracted in float64 and rounded once, as HF's threshold; -1 where top-p is off.
+    top_p_cutoff: torch.Tensor  # [bs] float32
+    min_p: torch.Tensor  # [bs] float32
+    repetition_penalty: torch.Tensor  # [bs] float32
+    generators: list[torch.Generator | None]  # None for greedy rows
+    # Fixed at build time, so the hot path skips unused processors without a host sync.
+    all_greedy: bool
+    any_top_k: bool
+    max_top_k: int  # the largest top_k of the batch: torch.topk's k
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """One row per request; `generators[i]` is row i's stream (ignored for greedy rows)."""
+        if len(params) != len(generators):
+            raise ValueError(f"{len(params)} params but {len(generators)} generators")
+        for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
+            if not p.greedy and generator is None:
+                raise ValueError(f"row {row} samples (temperature > 0) but has no generator")
+        greedy = [p.greedy for p in params]
+        top_k = [0 if g else p.top_k for p, g in zip(params, greedy, strict=True)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
+        penalty = [p.repetition_penalty for p in params]
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        return cls(
+            temperature=f32([p.temperature for p in params]),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=f32(top_p),
+            top_p_cutoff=f32([1.0 - p if p < 1.0 else -1.0 for p in top_p]),
+            min_p=f32(min_p),
+            repetition_penalty=f32(penalty),
+            generators=[None if g else gen for g, gen in zip(greedy, generators, strict=True)],
+            all_greedy=all(greedy),
+            any_top_k=any(k > 0 for k in top_k),
+            max_top_k=max(top_k, default=0),
+            any_top_p=any(p < 1.0 for p in top_p),
+            any_min_p=any(p > 0.0 for p in min_p),
+            any_penalty=any(p != 1.0 for p in penalty),
+        )
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` seeded with `seed`: one request's random stream."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor,  # [bs, V] float32
+    token_ids: torch.Tensor,  # [bs, T] int64, prompt + generated, padded with -1
+    penalty: torch.Tensor,  # [bs] float32
+) -> torch.Tensor:  # [bs, V] float32
+    """HF's repetition penalty: a seen token's logit is times p if negative, else divided by p."""
+    bs, vocab = logits.shape
+    # Padding and ids past the vocabulary land in an extra column that is dropped, as in HF.
+    ids = token_ids.masked_fill(token_ids < 0, vocab).clamp(max=vocab)  # [bs, T]
+    seen = torch.zeros(bs, vocab + 1, dtype=torch.bool, device=logits.device)  # [bs, V + 1]
+    seen = seen.scatter_(1, ids, True)[:, :vocab]  # [bs, V]
+    p = penalty.to(logits.dtype)[:, None]  # [bs, 1]
+    penalised = torch.where(logits < 0, logits * p, logits / p)  # [bs, V]
+    return torch.where(seen, penalised, logits)
+
+
+def _apply_top_k(
+    logits: torch.Tensor,  # [bs, V] float32
+    top_k: torch.Tensor,  # [bs] int64, 0 = off
+    max_top_k: int,
+) -> torch.Tensor:  # [bs, V] float32
+    # As HF: drop what is below the k-th largest value, so ties with it are all kept.
+    k = min(max_top_k, logits.shape[-1])
+    top_values = torch.topk(logits, k, dim=-1).values  # [bs, k], descending
+    kth = top_values.gather(-1, (top_k.clamp(min=1, max=k) - 1)[:, None])  # [bs, 1]
+    kth = torch.where(top_k[:, None] > 0, kth, _NEG_INF)  # [bs, 1]
+    return logits.masked_fill(logits < kth, _NEG_INF)
+
+
+def _apply_top_p(
+    logits: torch.Tensor,  # [bs, V] float32
+    cutoff: torch.Tensor,  # [bs] float32, 1 - top_p; -1 = off
+) -> torch.Tensor:  # [bs, V] float32
+    # HF's exact recipe (ascending sort, cumulative sum from the least likely token) so that the
+    # rounding and the order among tied logits, hence the kept set, are the same.
+    sorted_logits, sorted_ids = torch.sort(logits, dim=-1)  # [bs, V] ascending
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [bs, V]
+    remove = cumulative <= cutoff[:, None]  # [bs, V]
+    remove[:, -1] = False  # the most likely token always stays (min_tokens_to_keep = 1)
+    remove = remove.scatter(-1, sorted_ids, remove)  # [bs, V] back in vocabulary order
+    return logits.masked_fill(remove, _NEG_INF)
+
+
+def _apply_min_p(
+    logits: torch.Tensor,  # [bs, V] float32
+    min_p: torch.Tensor,  # [bs] float32, 0 = off
+) -> torch.Tensor:  # [bs, V] float32
+    # Relative to the top probability after temperature, as HF; the top token is never below it.
+    probs = logits.softmax(dim=-1)  # [bs, V]
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [bs, 1]
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def process_logits(
+    logits: torch.Tensor,  # [bs, V] any float dtype
+    batch: SamplingBatch,
+    token_ids: torch.Tensor | None,  # [bs, T] int64 padded with -1; needed if any_penalty
+) -> torch.Tensor:  # [bs, V] float32, filtered entries -inf
+    """Penalty -> temperature -> top-k -> top-p -> min-p, as HF `generate` applies them.
+
+    Greedy rows get the penalty only. The result is `logits` itself when it is float32 and no
+    processor applies: do not modify it in place.
+    """
+    x = logits.float()  # [bs, V]
+    if batch.any_penalty:
+        if token_ids is None:
+            raise ValueError("token_ids is required when a row has repetition_penalty != 1")
+        x = apply_repetition_penalty(x, token_ids, batch.repetition_penalty)
+    if not batch.all_greedy:
+        # Greedy rows divide by 1 (exact), so their values stay penalised logits.
+        divisor = torch.where(batch.temperature > 0, batch.temperature, 1.0)  # [bs]
+        x = x / divisor[:, None]
+    if batch.any_top_k:
+        x = _apply_top_k(x, batch.top_k, batch.max_top_k)
+    if batch.any_top_p:
+        x = _apply_top_p(x, batch.top_p_cutoff)
+    if batch.any_min_p:
+        x = _apply_min_p(x, batch.min_p)
+    return x
+
+
+def probs_from_logits(
+    logits: torch.Tensor,  # [bs, V] any float dtype
+    batch: SamplingBatch,
+    token_ids: torch.Tensor | None,  # [bs, T] int64 padded with -1; needed if any_penalty
+) -> torch.Tensor:  # [bs, V] float32, rows sum to 1, filtered entries 0
+    """The distribution each row samples from: softmax of `process_logits`.
+
+    Greedy rows get the softmax of their penalised logits (temperature 1); a greedy verifier
+    takes their argmax instead. Rows `invalid_rows` flags come out NaN.
+    """
+    return process_logits(logits, batch, token_ids).softmax(dim=-1)
+
+
+def _exponential_noise(
+    generators: list[torch.Generator | None],
+    like: torch.Tensor,  # [bs, V] float32
+) -> torch.Tensor:  # [bs, V] float32, Exp(1) for sampled rows, 1 for greedy rows
+    noise = torch.ones_like(like)  # [bs, V]
+    # One draw of V values per row from the row's own generator: the stream depends on the
+    # seed and the step only, not on the batch. The only Python loop, over rows.
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    # A draw of exactly 0 would make p / E inf (or NaN for p = 0) and win the argmax.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
+def sample(
+    logits: torch.Tensor,  # [bs, V] any float dtype
+    batch: SamplingBatch,
+    token_ids: torch.Tensor | None,  # [bs, T] int64 padded with -1; needed if any_penalty
+) -> torch.Tensor:  # [bs] int64
+    """The next token of every row, without a host sync.
+
+    Greedy rows take the argmax of their processed logits (the lowest id among ties). Sampled rows
+    take argmax(p / E) with E ~ Exp(1) from the row's generator: P(v) = p(v), and a filtered
+    token (p = 0) is never drawn.
+
+    Broken rows never raise and always give an id in [0, V): a row of all -inf or all NaN logits
+    gives 0, as does a sampled row with any NaN or +inf (its softmax is all NaN); a greedy row
+    with a NaN gives its first NaN's id (torch's argmax ranks NaN highest). The engine finds such
+    rows with `invalid_rows` and fails them.
+    """
+    processed = process_logits(logits, batch, token_ids)  # [bs, V]
+    greedy_ids = processed.argmax(dim=-1)  # [bs]
+    if batch.all_greedy:
+        return greedy_ids
+    probs = processed.softmax(dim=-1)  # [bs, V]
+    race = probs.div_(_exponential_noise(batch.generators, probs))  # [bs, V]
+    sampled_ids = race.argmax(dim=-1)  # [bs]
+    return torch.where(batch.temperature > 0, sampled_ids, greedy_ids)
+
+
+def invalid_rows(logits: torch.Tensor) -> torch.Tensor:  # [bs, V] -> [bs] bool
+    """Rows that cannot be sampled: a NaN or +inf logit, or no logit above -inf."""
+    bad_value = (logits.isnan() | logits.isposinf()).any(dim=-1)  # [bs]
+    return bad_value | (logits.amax(dim=-1) == _NEG_INF)

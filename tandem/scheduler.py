@@ -1,0 +1,168 @@
+"""Continuous batching: which requests run this step and how many tokens each.
+
+Every step builds one flat batch: running requests first (a decode is one token, an unfinished
+prompt the next chunk), then waiting requests while the token budget, the sequence cap and the
+KV pool allow. Prefill chunks and decodes mix freely because attention handles ragged query
+lengths. When the pool cannot grow a running request, the newest running request gives back its
+pages and returns to the front of the queue; it is recomputed later, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.errors import InvalidRequest, NotFound
+from tandem.kv import PageAllocator
+from tandem.request import FinishReason, Request, RequestOutput, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # per request, this step
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        """Queues a request after checking that it can ever fit in the pool and the context."""
+        if req.num_tokens >= self.max_model_len:
+            raise InvalidRequest(
+                "prompt_ids", f"{req.num_tokens} tokens leave no room in max_model_len"
+            )
+        worst = min(req.num_tokens + req.params.max_new_tokens, self.max_model_len)
+        if self.allocator.pages_needed(None, worst) > self.allocator.num_pages:
+            raise InvalidRequest(
+                "max_new_tokens",
+                f"{worst} tokens need more KV pages than the pool has "
+                f"({self.allocator.num_pages} pages of {self.allocator.page_size})",
+            )
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            num_running = len(self.running)
+            if not self._reserve(req, n):
+                preempted = True
+                break  # req itself was preempted: it was the newest
+            preempted = preempted or len(self.running) < num_running
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if preempted:
+                break  # the pool is tight: let the running requests finish first
+            req = self.waiting[0]
+            n = min(req.num_tokens, budget)
+            if not self.allocator.can_allocate(n):
+                break
+            self.allocator.allocate(req.request_id, n)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _reserve(self, req: Request, n: int) -> bool:
+        """Grows ``req``'s KV to hold ``n`` more tokens, preempting the newest running requests
+        until it fits. False if ``req`` itself had to go."""
+        need = req.num_computed + n - self.allocator.num_tokens(req.request_id)
+        while need > 0 and not self.allocator.can_extend(req.request_id, need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            self.allocator.extend(req.request_id, need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.allocator.free(req.request_id)
+        req.num_computed = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[RequestOutput]:
+        """Advances KV progress, appends sampled tokens, finishes requests that stop."""
+        outputs = []
+        for req, n, token in zip(batch.requests, batch.num_new_tokens, sampled, strict=True):
+            req.num_computed += n
+            if token is None:
+                continue  # a prompt chunk that does not end the prompt
+            req.output_ids.append(token)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[token],
+                    finished=req.finished,
+                    finish_reason=req.finish_reason,
+                )
+            )
+        return outputs
+
+    def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
+        params = req.params
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if len(req.output_ids) >= params.max_new_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.running.remove(req)
+        self.allocator.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def abort(self, request_id: str) -> Request:
+        """Ends a waiting or running request and frees its pages."""
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.status = RequestStatus.FINISHED
+                req.finish_reason = FinishReason.ABORT
+                return req
+        for req in self.running:
+            if req.request_id == request_id:
+                self._finish(req, FinishReason.ABORT)
+                return req
+        raise NotFound(f"request {request_id!r} is not running or waiting")

@@ -1,0 +1,1 @@
+"""target_service: see DESIGN.md section 2. Built in later issues."""

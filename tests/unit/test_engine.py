@@ -1,0 +1,142 @@
+"""The target-only engine: greedy output equals transformers' generate; batching, chunking and
+preemption never change it; sampling is seeded per request; no KV page leaks."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.errors import InvalidRequest
+from tandem.request import FinishReason
+from tandem.sampling import SamplingParams
+from tests.checkpoints import ARCHS, load_hf, make_checkpoint
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=11)
+
+
+def ragged_prompts(vocab: int, lens: tuple[int, ...] = (1, 7, 20, 33)) -> list[list[int]]:
+    rng = random.Random(3)
+    # Ids >= 3 so no prompt contains EOS/BOS/pad by accident.
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    hf = load_hf(path)
+    out = []
+    for p in prompts:
+        with torch.inference_mode():
+            ids = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
+        out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def engine(path: Path, **overrides: Any) -> Engine:
+    return Engine(EngineConfig(model=path, **overrides))
+
+
+def greedy(n: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"page_size": 16},
+        {"page_size": 1, "max_num_batched_tokens": 8},  # prompts chunked, mixed with decodes
+        {"page_size": 3, "num_pages": 24, "max_num_seqs": 4},  # pool tight: preemptions
+    ],
+    ids=["plain", "chunked", "preempting"],
+)
+def test_greedy_batch_equals_transformers_generate(ckpt: Path, overrides: dict[str, Any]) -> None:
+    eng = engine(ckpt, **overrides)
+    prompts = ragged_prompts(eng.model.config.vocab_size)
+    results = eng.generate(prompts, greedy())
+    expected = hf_greedy(ckpt, prompts, NEW_TOKENS)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.finish_reason is FinishReason.LENGTH for r in results)
+    if "num_pages" in overrides:
+        assert sum(r.num_preemptions for r in results) > 0, "the tight pool never preempted"
+    alloc = eng.kv.allocator
+    assert alloc.num_free_pages == alloc.num_pages and len(alloc) == 0
+
+
+def test_stop_tokens_eos_and_abort(ckpt: Path) -> None:
+    eng = engine(ckpt)
+    prompt = ragged_prompts(eng.model.config.vocab_size)[2]
+    free_run = eng.generate([prompt], greedy(12))[0].token_ids
+    stop_at = free_run[5]
+    first = free_run.index(stop_at)
+    stopped = eng.generate([prompt], SamplingParams(max_new_tokens=12, stop_token_ids=(stop_at,)))
+    assert stopped[0].token_ids == free_run[: first + 1]
+    assert stopped[0].finish_reason is FinishReason.STOP
+    rid = eng.add_request(prompt, greedy(50))
+    eng.step()
+    eng.abort(rid)
+    assert not eng.has_unfinished()
+    assert eng.pop_finished(rid).finish_reason is FinishReason.ABORT
+    assert eng.kv.allocator.num_free_pages == eng.kv.allocator.num_pages
+
+
+def test_eos_stops_unless_ignored(tmp_path: Path) -> None:
+    path = make_checkpoint(tmp_path / "m", "llama", seed=2)
+    eng = engine(path)
+    prompt = ragged_prompts(eng.model.config.vocab_size)[1]
+    run = eng.generate([prompt], greedy(8))[0].token_ids
+    # Declare the 4th generated token an EOS id: generation must stop there.
+    eng.scheduler.eos_token_ids = frozenset({run[3]})
+    stopped = eng.generate([prompt], SamplingParams(max_new_tokens=8))[0]
+    assert stopped.token_ids == run[: run.index(run[3]) + 1]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert eng.generate([prompt], greedy(8))[0].token_ids == run
+
+
+def test_sampling_is_seeded_per_request_and_batch_independent(ckpt: Path) -> None:
+    eng = engine(ckpt)
+    prompts = ragged_prompts(eng.model.config.vocab_size)
+    params = [
+        SamplingParams(
+            temperature=0.9, top_k=50, top_p=0.9, seed=100 + i, max_new_tokens=16, ignore_eos=True
+        )
+        for i in range(len(prompts))
+    ]
+    together = [r.token_ids for r in eng.generate(prompts, params)]
+    alone = [eng.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    assert together == alone
+    reseeded = eng.generate(prompts[:1], [SamplingParams(**{**_fields(params[0]), "seed": 7})])
+    assert reseeded[0].token_ids != together[0]
+
+
+def _fields(p: SamplingParams) -> dict[str, Any]:
+    return {k: getattr(p, k) for k in p.__dataclass_fields__}
+
+
+def test_invalid_requests_are_refused(ckpt: Path) -> None:
+    eng = engine(ckpt, num_pages=4, page_size=4)
+    vocab = eng.model.config.vocab_size
+    with pytest.raises(InvalidRequest, match="prompt_ids"):
+        eng.add_request([], greedy())
+    with pytest.raises(InvalidRequest, match="prompt_ids"):
+        eng.add_request([vocab], greedy())
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        eng.add_request([5] * 10, greedy(100))  # 110 tokens never fit in 16 slots
+    rid = eng.add_request([5], greedy(2))
+    with pytest.raises(InvalidRequest, match="request_id"):
+        eng.add_request([5], greedy(2), request_id=rid)
