@@ -1,6 +1,9 @@
-"""The in-process target-only engine: schedule -> run -> postprocess, one step at a time.
+"""The in-process engine: schedule -> run -> verify -> commit -> draft, one step at a time.
 
-The target service wraps this loop on its own thread; ``tandem generate`` drives it directly.
+Without a drafter it is the target-only engine (every decode is a tree of one node). With one,
+each step also hands the draft what the verification committed and takes back the next trees,
+through the same calls the draft service answers over gRPC. The target service wraps this loop
+on its own thread; ``tandem generate`` drives it directly.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from tandem.errors import InvalidRequest
 from tandem.kv import KVCache, KVCacheSpec
 from tandem.models import DecoderLM, load_model
 from tandem.request import FinishReason, Request, RequestOutput
-from tandem.runner import ModelRunner
+from tandem.runner import ModelInputs, ModelOutputs, ModelRunner
 from tandem.sampling import SamplingParams, make_generator
-from tandem.scheduler import Scheduler
+from tandem.scheduler import ScheduledBatch, Scheduler
+from tandem.spec.drafter import Drafter
+from tandem.spec.types import DraftAdmit, SpecConfig, SpecStats, VerifyOutcome
+from tandem.spec.verify import Verified, compact, verify
 
 logger = logging.getLogger(__name__)
 
@@ -32,23 +38,37 @@ class GenerationResult:
     request_id: str
     prompt_ids: list[int]
     token_ids: list[int]  # generated ids only
+    logprobs: list[float]  # target log-probability of each generated token
     finish_reason: FinishReason
     num_preemptions: int
+    stats: SpecStats
 
 
 class Engine:
-    """Batches ragged requests through prefill (chunked) and decode on one model."""
+    """Batches ragged requests through prefill (chunked) and decode, speculating when given a
+    drafter."""
 
-    def __init__(self, config: EngineConfig, model: DecoderLM | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: DecoderLM | None = None,
+        *,
+        drafter: Drafter | None = None,
+        spec: SpecConfig | None = None,
+    ) -> None:
+        if (drafter is None) != (spec is None):
+            raise ValueError("spec: give a drafter and its SpecConfig together")
         self.config = config
         if model is None:
             model = load_model(config.model, dtype=config.torch_dtype, device=config.device)
         self.model = model
+        self.drafter = drafter
+        self.spec = spec
         mc = model.config
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        spec = KVCacheSpec(
+        kv_spec = KVCacheSpec(
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
@@ -56,12 +76,12 @@ class Engine:
             dtype=config.torch_dtype,
             device=config.device,
         )
-        self.kv = KVCache(spec, self._num_pages(spec))
+        self.kv = KVCache(kv_spec, self._num_pages(kv_spec))
         logger.info(
             "KV pool: %d pages of %d tokens (%.1f MiB)",
             self.kv.allocator.num_pages,
             config.page_size,
-            spec.bytes_per_page * (self.kv.allocator.num_pages + 1) / 2**20,
+            kv_spec.bytes_per_page * (self.kv.allocator.num_pages + 1) / 2**20,
         )
         self.runner = ModelRunner(model, self.kv)
         self.scheduler = Scheduler(
@@ -71,7 +91,11 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=mc.eos_token_ids,
         )
+        self.capture_layers = drafter.target_layer_ids if drafter is not None else ()
+        # Coins per verify step: a fixed block, so the random stream never depends on the tree.
+        self.coin_block = spec.tree_size if spec is not None else 1
         self._requests: dict[str, Request] = {}
+        self._released: list[str] = []  # finished or aborted since the draft last heard
         self._next_id = 0
 
     def _num_pages(self, spec: KVCacheSpec) -> int:
@@ -89,7 +113,12 @@ class Engine:
         return max(1, min(full, spec.pages_for_budget(budget)))
 
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        speculate: bool = True,
     ) -> str:
         vocab = self.model.config.vocab_size
         if not prompt_ids:
@@ -106,14 +135,21 @@ class Engine:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             generator = make_generator(seed, self.config.device)
         req = Request(
-            request_id=request_id, prompt_ids=list(prompt_ids), params=params, generator=generator
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            generator=generator,
+            speculate=speculate and self.drafter is not None,
         )
         self.scheduler.add(req)
         self._requests[request_id] = req
         return request_id
 
     def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        req = self.scheduler.abort(request_id)
+        if req.in_draft:
+            self._released.append(request_id)
+            req.in_draft = False
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -122,8 +158,135 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        sampled = self.runner.run(batch)
-        return self.scheduler.postprocess(batch, sampled)
+        decoding = [req.decoding for req in batch.requests]
+        inputs = self.runner.prepare(batch)
+        outputs = self.runner.forward(inputs, self.capture_layers)
+        verified = self._verify(batch, inputs, outputs)
+        self._commit(batch, decoding, verified)
+        results = self.scheduler.postprocess(
+            batch,
+            [v.new_tokens if v else [] for v in verified],
+            [v.logprobs if v else [] for v in verified],
+        )
+        if self.drafter is not None:
+            self._draft(batch, inputs, outputs, verified)
+        return results
+
+    def _verify(
+        self, batch: ScheduledBatch, inputs: ModelInputs, outputs: ModelOutputs
+    ) -> list[Verified | None]:
+        rows = [i for i, tree in enumerate(inputs.trees) if tree is not None]
+        found: list[Verified | None] = [None] * len(batch)
+        if rows:
+            trees = [inputs.trees[i] for i in rows]
+            reqs = [batch.requests[i] for i in rows]
+            done = verify(outputs.logits, trees, reqs, coin_block=self.coin_block)  # type: ignore[arg-type]
+            for i, v in zip(rows, done, strict=True):
+                found[i] = v
+        return found
+
+    def _commit(
+        self, batch: ScheduledBatch, decoding: list[bool], verified: list[Verified | None]
+    ) -> None:
+        """Moves accepted KV into place and advances every request's KV progress."""
+        tree_rows = [
+            i for i, req in enumerate(batch.requests) if req.tree is not None and verified[i]
+        ]
+        compact(
+            self.kv,
+            [batch.requests[i].request_id for i in tree_rows],
+            [batch.requests[i].num_computed for i in tree_rows],
+            [verified[i] for i in tree_rows],  # type: ignore[misc]
+        )
+        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
+            v = verified[i]
+            if req.tree is not None and v is not None:
+                req.num_computed += len(v.accept_nodes)
+                req.stats.record(len(req.tree) - 1, len(v.accept_nodes) - 1)
+                req.tree = None
+            else:
+                req.num_computed += n
+                if decoding[i]:
+                    req.stats.record(0, 0)  # a decode step without a draft
+
+    def _draft(
+        self,
+        batch: ScheduledBatch,
+        inputs: ModelInputs,
+        outputs: ModelOutputs,
+        verified: list[Verified | None],
+    ) -> None:
+        """Sends the step's outcome to the draft and attaches the trees it returns."""
+        assert self.drafter is not None and self.spec is not None
+        released = [*self._released, *self.scheduler.preempted]
+        self._released.clear()
+        self.scheduler.preempted.clear()
+        admits: list[DraftAdmit] = []
+        outcomes: list[VerifyOutcome] = []
+        features = outputs.features
+        for i, req in enumerate(batch.requests):
+            if not req.speculate:
+                continue
+            if req.finished:
+                if req.in_draft:
+                    released.append(req.request_id)
+                    req.in_draft = False
+                continue
+            start, v = inputs.token_starts[i], verified[i]
+            if not req.in_draft:
+                # A prompt chunk: keep its features; once the prompt is done, admit it.
+                if features is not None:
+                    req.draft_features.append(features[start : start + batch.num_new_tokens[i]])
+                if v is not None:
+                    admits.append(self._admit(req))
+                continue
+            assert v is not None, "a request the draft tracks ran without verification"
+            outcomes.append(
+                VerifyOutcome(
+                    request_id=req.request_id,
+                    accepted_token_ids=v.new_tokens[:-1],
+                    bonus_token_id=v.new_tokens[-1],
+                    features=_rows(features, [start + n for n in v.accept_nodes]),
+                )
+            )
+        trees = self.drafter.step(admits, outcomes, released)
+        updated = [a.request_id for a in admits] + [o.request_id for o in outcomes]
+        for request_id in updated:
+            req = self._requests[request_id]
+            tree = trees.get(request_id)
+            if tree is None:
+                # The draft dropped it (its pool was full): decode it without a draft from now.
+                logger.warning(
+                    "request %s: the draft gave no tree; not speculating", req.request_id
+                )
+                req.in_draft = req.speculate = False
+                continue
+            problem = tree.check(
+                vocab_size=self.model.config.vocab_size,
+                max_nodes=self.spec.tree_size,
+                verified_token=req.tokens[-1],
+            )
+            if problem is not None:
+                logger.warning("request %s: draft tree rejected (%s)", req.request_id, problem)
+                continue
+            room = min(self.max_model_len, len(req.prompt_ids) + req.params.max_new_tokens)
+            req.tree = tree.prefix(max(1, room - req.num_computed))
+
+    def _admit(self, req: Request) -> DraftAdmit:
+        assert self.spec is not None
+        features = None
+        if req.draft_features:
+            # Prompt positions only: the verified token's own features are not known yet.
+            features = torch.cat(req.draft_features)[: req.num_tokens - 1]
+        req.draft_features = []
+        req.in_draft = True
+        return DraftAdmit(
+            request_id=req.request_id,
+            token_ids=req.tokens,
+            features=features,
+            spec=self.spec,
+            temperature=req.params.temperature,
+        )
 
     def pop_finished(self, request_id: str) -> GenerationResult:
         req = self._requests.pop(request_id)
@@ -132,8 +295,10 @@ class Engine:
             request_id=req.request_id,
             prompt_ids=req.prompt_ids,
             token_ids=list(req.output_ids),
+            logprobs=list(req.output_logprobs),
             finish_reason=req.finish_reason,
             num_preemptions=req.num_preemptions,
+            stats=req.stats,
         )
 
     def generate(
@@ -159,4 +324,12 @@ class Engine:
             outputs = self.step()
             if progress is not None:
                 progress(sum(len(o.new_token_ids) for o in outputs))
+        if self.drafter is not None and self._released:
+            self.drafter.step([], [], self._released)  # let the draft free what finished last
+            self._released.clear()
         return [self.pop_finished(i) for i in ids]
+
+
+def _rows(features: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
+    """The captured target features of the given flat token rows ([len(rows), F])."""
+    return None if features is None else features[rows]

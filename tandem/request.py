@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.sampling import SamplingParams
+from tandem.spec.types import SpecStats, Tree
 
 
 class FinishReason(enum.Enum):
@@ -37,6 +38,18 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    output_logprobs: list[float] = field(default_factory=list)
+    speculate: bool = True  # per-request opt-out; False decodes with trees of one node
+    tree: Tree | None = None  # the draft's proposal for the next step, node 0 = tokens[-1]
+    in_draft: bool = False  # the draft tracks it (admitted after its prompt, until released)
+    # Target features of the prompt positions, gathered chunk by chunk for the draft.
+    draft_features: list[torch.Tensor] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt: only the verified token lacks KV."""
+        return self.num_computed == self.num_tokens - 1 and bool(self.output_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -57,5 +70,6 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
+    new_logprobs: list[float]
     finished: bool
     finish_reason: FinishReason | None

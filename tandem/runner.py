@@ -1,8 +1,9 @@
-"""Model runner: turns a scheduled batch into tensors, runs the forward, samples.
+"""Model runner: turns a scheduled batch into tensors and runs the target forward.
 
-The step functions here are the ones the target service's engine calls; they build their inputs
-on the host from numbers the scheduler already has and read back only the sampled ids, which
-must leave the process anyway.
+A request contributes either its next prompt chunk (causal) or its tree: node 0 is the verified
+token at position L-1, node i at ``L-1+depth(i)``, stored at KV index ``L-1+i`` and seeing the
+prefix plus its ancestors. Plain decoding is a tree of one node. Inputs are built on the host
+from numbers the scheduler already has; nothing here reads the device.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import torch
 from tandem.attention import AttentionMetadata, TorchAttention
 from tandem.kv import KVCache
 from tandem.models import DecoderLM, ForwardContext
-from tandem.request import Request
-from tandem.sampling import SamplingBatch, sample
 from tandem.scheduler import ScheduledBatch
+from tandem.spec.types import Tree
 
 
 @dataclass
@@ -25,8 +25,16 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] int64, rows whose next token is sampled
-    sampled_rows: list[int]  # batch index of each sampled row
+    logits_indices: torch.Tensor  # [num_rows] int64, flat rows whose logits are needed
+    trees: list[Tree | None]  # per request: what is verified this step (None: a mid-prompt chunk)
+    row_starts: list[int]  # per request: its first row in the logits (valid where trees[i] set)
+    token_starts: list[int]  # per request: its first token in the flat batch
+
+
+@dataclass
+class ModelOutputs:
+    logits: torch.Tensor  # [num_rows, vocab] float32
+    features: torch.Tensor | None  # [num_tokens, F] captured target features, all tokens
 
 
 class ModelRunner:
@@ -42,17 +50,32 @@ class ModelRunner:
         positions: list[int] = []
         starts: list[int] = []
         ends: list[int] = []
+        masks: list[torch.Tensor | None] = []
         logits_indices: list[int] = []
-        sampled_rows: list[int] = []
-        for row, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
-            start, end = req.num_computed, req.num_computed + n
-            ids.extend(req.tokens[start:end])
-            positions.extend(range(start, end))
+        trees: list[Tree | None] = []
+        row_starts: list[int] = []
+        token_starts: list[int] = []
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            start = req.num_computed
+            token_starts.append(len(ids))
+            row_starts.append(len(logits_indices))
+            tree: Tree | None = req.tree
+            if tree is not None:
+                ids.extend(tree.tokens)
+                positions.extend(start + d for d in tree.depths)
+                masks.append(_ancestor_mask(tree))
+            else:
+                ids.extend(req.tokens[start : start + n])
+                positions.extend(range(start, start + n))
+                masks.append(None)
+                last = start + n == req.num_tokens
+                tree = Tree(tokens=(req.tokens[-1],), parents=(-1,)) if last else None
+            trees.append(tree)
             starts.append(start)
-            ends.append(end)
-            if end == req.num_tokens:
-                logits_indices.append(len(ids) - 1)
-                sampled_rows.append(row)
+            ends.append(start + n)
+            if tree is not None:
+                first = len(ids) - len(tree)
+                logits_indices.extend(range(first, len(ids)))
         req_ids = [req.request_id for req in batch.requests]
         meta = AttentionMetadata.build(
             page_size=alloc.page_size,
@@ -60,47 +83,36 @@ class ModelRunner:
             seq_lens=ends,
             page_table=alloc.page_table(req_ids, device=self.device),
             slot_mapping=self.kv.slot_mapping_tensor(req_ids, starts, ends),
+            masks=masks,
         )
         return ModelInputs(
             input_ids=_tensor(ids, self.device),
             positions=_tensor(positions, self.device),
             meta=meta,
             logits_indices=_tensor(logits_indices, self.device),
-            sampled_rows=sampled_rows,
+            trees=trees,
+            row_starts=row_starts,
+            token_starts=token_starts,
         )
 
     @torch.inference_mode()
-    def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:  # [num_sampled, vocab]
+    def forward(self, inputs: ModelInputs, capture_layers: Sequence[int] = ()) -> ModelOutputs:
         ctx = ForwardContext(kv=self.kv, meta=inputs.meta, backend=self.backend)
-        out = self.model(inputs.input_ids, inputs.positions, ctx)
-        return self.model.compute_logits(out.hidden[inputs.logits_indices])
+        out = self.model(inputs.input_ids, inputs.positions, ctx, capture_layers)
+        logits = self.model.compute_logits(out.hidden[inputs.logits_indices])
+        features = torch.cat(out.captured, dim=-1) if out.captured else None
+        return ModelOutputs(logits=logits, features=features)
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """One forward + sampling; the sampled id per request, None for mid-prompt chunks."""
-        inputs = self.prepare(batch)
-        logits = self.forward_logits(inputs)
-        reqs = [batch.requests[row] for row in inputs.sampled_rows]
-        sampling = SamplingBatch.build(
-            [req.params for req in reqs], [req.generator for req in reqs], self.device
-        )
-        history = _token_history(reqs, self.device) if sampling.any_penalty else None
-        next_ids = sample(logits, sampling, history).tolist()
-        result: list[int | None] = [None] * len(batch)
-        for row, token in zip(inputs.sampled_rows, next_ids, strict=True):
-            result[row] = int(token)
-        return result
+
+def _ancestor_mask(tree: Tree) -> torch.Tensor:  # [N, N] bool
+    n = len(tree)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        if i:
+            mask[i] = mask[tree.parents[i]]
+        mask[i, i] = True
+    return mask
 
 
 def _tensor(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
-
-def _token_history(reqs: Sequence[Request], device: torch.device | str) -> torch.Tensor:
-    """[bs, max_tokens] int64 of prompt + generated ids, padded with -1 (repetition penalty)."""
-    rows = [req.tokens for req in reqs]
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), width), -1, dtype=torch.int64)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    return out.to(device, non_blocking=True)

@@ -1,10 +1,12 @@
 """Continuous batching: which requests run this step and how many tokens each.
 
-Every step builds one flat batch: running requests first (a decode is one token, an unfinished
-prompt the next chunk), then waiting requests while the token budget, the sequence cap and the
-KV pool allow. Prefill chunks and decodes mix freely because attention handles ragged query
-lengths. When the pool cannot grow a running request, the newest running request gives back its
-pages and returns to the front of the queue; it is recomputed later, so nothing is lost.
+Every step builds one flat batch: running requests first (a decode is its draft tree, or one
+token without a tree; an unfinished prompt is its next chunk), then waiting requests while the
+token budget, the sequence cap and the KV pool allow. Prefill chunks and decodes mix freely
+because attention handles ragged query lengths. A tree that does not fit the budget or the pool
+is dropped (that step decodes one token): speculation never preempts. When the pool cannot grow
+a running request by one token, the newest running request gives back its pages and returns to
+the front of the queue; it is recomputed later, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.preempted: list[str] = []  # since the engine last drained it (the draft forgets them)
 
     def add(self, req: Request) -> None:
         """Queues a request after checking that it can ever fit in the pool and the context."""
@@ -70,6 +73,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
+            if req.tree is not None and (
+                len(req.tree) > budget
+                or not self.allocator.can_extend(req.request_id, self._kv_need(req, len(req.tree)))
+            ):
+                req.tree = None
+            if req.tree is not None:
+                n = len(req.tree)
             num_running = len(self.running)
             if not self._reserve(req, n):
                 preempted = True
@@ -95,10 +105,13 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _kv_need(self, req: Request, n: int) -> int:
+        return req.num_computed + n - self.allocator.num_tokens(req.request_id)
+
     def _reserve(self, req: Request, n: int) -> bool:
         """Grows ``req``'s KV to hold ``n`` more tokens, preempting the newest running requests
         until it fits. False if ``req`` itself had to go."""
-        need = req.num_computed + n - self.allocator.num_tokens(req.request_id)
+        need = self._kv_need(req, n)
         while need > 0 and not self.allocator.can_extend(req.request_id, need):
             victim = self.running[-1]
             self._preempt(victim)
@@ -114,23 +127,39 @@ class Scheduler:
         req.num_computed = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        req.tree = None
+        req.draft_features = []
+        if req.in_draft:
+            self.preempted.append(req.request_id)
+            req.in_draft = False
         self.waiting.appendleft(req)
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[RequestOutput]:
-        """Advances KV progress, appends sampled tokens, finishes requests that stop."""
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        new_tokens: list[list[int]],
+        new_logprobs: list[list[float]],
+    ) -> list[RequestOutput]:
+        """Appends each request's committed tokens up to the first that finishes it (later ones
+        are dropped) and finishes requests that stop. KV progress is the caller's."""
         outputs = []
-        for req, n, token in zip(batch.requests, batch.num_new_tokens, sampled, strict=True):
-            req.num_computed += n
-            if token is None:
+        for req, tokens, logprobs in zip(batch.requests, new_tokens, new_logprobs, strict=True):
+            if not tokens:
                 continue  # a prompt chunk that does not end the prompt
-            req.output_ids.append(token)
-            reason = self._finish_reason(req, token)
-            if reason is not None:
-                self._finish(req, reason)
+            kept = 0
+            for token, logprob in zip(tokens, logprobs, strict=True):
+                req.output_ids.append(token)
+                req.output_logprobs.append(logprob)
+                kept += 1
+                reason = self._finish_reason(req, token)
+                if reason is not None:
+                    self._finish(req, reason)
+                    break
             outputs.append(
                 RequestOutput(
                     request_id=req.request_id,
-                    new_token_ids=[token],
+                    new_token_ids=tokens[:kept],
+                    new_logprobs=logprobs[:kept],
                     finished=req.finished,
                     finish_reason=req.finish_reason,
                 )
@@ -152,6 +181,7 @@ class Scheduler:
         self.allocator.free(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.tree = None
 
     def abort(self, request_id: str) -> Request:
         """Ends a waiting or running request and frees its pages."""

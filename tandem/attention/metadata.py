@@ -21,11 +21,17 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [bs] int64, KV length of each request including this step's tokens
     page_table: torch.Tensor  # [bs, max_pages] int32, padded with the null page 0
     slot_mapping: torch.Tensor  # [num_tokens] int64, KV slot each new token is written to
-    # [sum(q_len_i ** 2)] bool, row-major [q_len_i, q_len_i] block per request: entry (r, c) says
-    # whether new token r sees new token c. None means causal for every request.
+    # [sum(q_len_i * (seq_len_i - prefix_len_i))] bool, one row-major [q_len_i, seq_len_i -
+    # prefix_len_i] block per request: entry (r, c) says whether new token r sees KV index
+    # prefix_len_i + c. None means causal over the new tokens for every request.
     custom_mask: torch.Tensor | None = None
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # KV indices [0, prefix_len_i) are visible to every new token of request i; None means
+    # prefix_len_i = seq_len_i - q_len_i (the mask covers exactly the new tokens). A shorter
+    # prefix lets the mask also hide earlier entries: tree drafting keeps all drafted nodes
+    # in KV and lets each one see only its ancestors.
+    prefix_lens_cpu: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.query_lens_cpu) != len(self.seq_lens_cpu):
@@ -33,6 +39,20 @@ class AttentionMetadata:
         for q_len, seq_len in zip(self.query_lens_cpu, self.seq_lens_cpu, strict=True):
             if q_len < 0 or seq_len < q_len:
                 raise ValueError(f"seq_lens_cpu: {seq_len} is shorter than its {q_len} new tokens")
+        if self.prefix_lens_cpu is not None:
+            if len(self.prefix_lens_cpu) != len(self.seq_lens_cpu):
+                raise ValueError("prefix_lens_cpu: length differs from seq_lens_cpu")
+            for prefix, q_len, seq_len in zip(
+                self.prefix_lens_cpu, self.query_lens_cpu, self.seq_lens_cpu, strict=True
+            ):
+                if not 0 <= prefix <= seq_len - q_len:
+                    raise ValueError(f"prefix_lens_cpu: {prefix} outside [0, {seq_len - q_len}]")
+
+    def prefix_len(self, i: int) -> int:
+        """KV entries of request ``i`` that all its new tokens see."""
+        if self.prefix_lens_cpu is not None:
+            return self.prefix_lens_cpu[i]
+        return self.seq_lens_cpu[i] - self.query_lens_cpu[i]
 
     @property
     def batch_size(self) -> int:
@@ -51,16 +71,21 @@ class AttentionMetadata:
         seq_lens: Sequence[int],
         page_table: torch.Tensor,  # [bs, max_pages] int32
         slot_mapping: torch.Tensor,  # [num_tokens] int64
-        masks: Sequence[torch.Tensor | None] | None = None,  # per request [q_len, q_len] bool
+        # per request [q_len, seq_len - prefix_len] bool (None = causal over the new tokens)
+        masks: Sequence[torch.Tensor | None] | None = None,
+        prefix_lens: Sequence[int] | None = None,
     ) -> AttentionMetadata:
         """Builds metadata from host-side lengths; ``masks`` entries of None are causal."""
         device = slot_mapping.device
         cu = [0]
         for q_len in query_lens:
             cu.append(cu[-1] + q_len)
+        if prefix_lens is None:
+            prefix_lens = [s - q for s, q in zip(seq_lens, query_lens, strict=True)]
         custom_mask = None
         if masks is not None and any(m is not None for m in masks):
-            custom_mask = build_custom_mask(masks, query_lens).to(device)
+            widths = [s - p for s, p in zip(seq_lens, prefix_lens, strict=True)]
+            custom_mask = build_custom_mask(masks, query_lens, widths).to(device)
         return cls(
             page_size=page_size,
             query_start_loc=torch.tensor(cu, dtype=torch.int64, device=device),
@@ -70,21 +95,27 @@ class AttentionMetadata:
             custom_mask=custom_mask,
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
+            prefix_lens_cpu=list(prefix_lens),
         )
 
 
 def build_custom_mask(
-    masks: Sequence[torch.Tensor | None], query_lens: Sequence[int]
-) -> torch.Tensor:  # [sum(q_len_i ** 2)] bool
-    """Packs per-request [q_len, q_len] masks (None = causal) into the flat layout."""
+    masks: Sequence[torch.Tensor | None],
+    query_lens: Sequence[int],
+    widths: Sequence[int] | None = None,
+) -> torch.Tensor:  # [sum(q_len_i * width_i)] bool
+    """Packs per-request [q_len, width] masks into the flat layout. ``width`` defaults to
+    ``q_len``; None masks are causal over the last ``q_len`` columns (earlier ones visible)."""
     if len(masks) != len(query_lens):
         raise ValueError("masks: one entry per request expected")
+    if widths is None:
+        widths = query_lens
     blocks = []
-    for mask, q_len in zip(masks, query_lens, strict=True):
+    for mask, q_len, width in zip(masks, query_lens, widths, strict=True):
         if mask is None:
-            mask = torch.ones(q_len, q_len, dtype=torch.bool).tril_()
-        elif tuple(mask.shape) != (q_len, q_len):
-            raise ValueError(f"masks: shape {tuple(mask.shape)} != ({q_len}, {q_len})")
+            mask = torch.ones(q_len, width, dtype=torch.bool).tril_(width - q_len)
+        elif tuple(mask.shape) != (q_len, width):
+            raise ValueError(f"masks: shape {tuple(mask.shape)} != ({q_len}, {width})")
         blocks.append(mask.to(device="cpu", dtype=torch.bool).reshape(-1))
     if not blocks:
         return torch.zeros(0, dtype=torch.bool)

@@ -1,18 +1,35 @@
 """Torch reference attention over the paged KV cache (CPU and GPU; any mask).
 
-The oracle for the Triton kernels and the CPU path. It loops over requests on the host, which is
-fine for a reference and for CPU serving of small models; the GPU path uses the kernels.
+The oracle for the Triton kernels and the CPU path. Requests are padded to the longest query
+and KV length of the batch, so each layer is a handful of batched ops; the padded layout
+(slots, visibility) is built once per forward and shared by every layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from tandem.attention.metadata import AttentionMetadata
 
 
+@dataclass
+class _Dense:
+    """The batch padded to [bs, max_q] queries over [bs, max_seq] KV entries."""
+
+    slots: torch.Tensor  # [bs, max_seq] int64 KV slot of each entry (the null page past seq_len)
+    allowed: torch.Tensor  # [bs, max_q, max_seq] bool, which entries each query sees
+    token_req: torch.Tensor  # [num_tokens] int64 request of each flat token
+    token_row: torch.Tensor  # [num_tokens] int64 its query index within the request
+    max_q: int
+
+
 class TorchAttention:
-    """Stores new K/V through ``slot_mapping``, then attends per request through the page table."""
+    """Stores new K/V through ``slot_mapping``, then attends through the page table."""
+
+    def __init__(self) -> None:
+        self._cache: tuple[AttentionMetadata, _Dense] | None = None
 
     def forward(
         self,
@@ -25,46 +42,71 @@ class TorchAttention:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.shape[0] == 0:
+            return torch.empty_like(q)
+        dense = self._dense(meta, q.device)
+        bs = dense.slots.shape[0]
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads
-        out = torch.empty_like(q)
+        keys = k_cache[dense.slots].to(torch.float32)  # [bs, max_seq, num_kv_heads, head_dim]
+        values = v_cache[dense.slots].to(torch.float32)
+        qp = q.new_zeros(bs, dense.max_q, num_heads, head_dim, dtype=torch.float32)
+        qp[dense.token_req, dense.token_row] = q.to(torch.float32)
+        # [bs, kv, group, max_q, d] x [bs, kv, 1, d, max_seq] -> [bs, kv, group, max_q, max_seq]
+        qp = qp.view(bs, dense.max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        scores = torch.matmul(qp, keys.permute(0, 2, 3, 1).unsqueeze(2)) * scale
+        scores = scores.masked_fill(~dense.allowed[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        # [bs, kv, group, max_q, max_seq] x [bs, kv, 1, max_seq, d] -> [bs, kv, group, max_q, d]
+        attn = torch.matmul(probs, values.permute(0, 2, 1, 3).unsqueeze(2))
+        attn = attn.permute(0, 3, 1, 2, 4).reshape(bs, dense.max_q, num_heads, head_dim)
+        return attn[dense.token_req, dense.token_row].to(q.dtype)
+
+    def _dense(self, meta: AttentionMetadata, device: torch.device) -> _Dense:
+        if self._cache is not None and self._cache[0] is meta:
+            return self._cache[1]
+        bs = meta.batch_size
+        max_q = max(meta.query_lens_cpu)
+        max_seq = max(meta.seq_lens_cpu)
         page_size = meta.page_size
-        mask_offset = 0
-        q_start = 0
+        seq_lens = torch.tensor(meta.seq_lens_cpu, device=device)  # [bs]
+        idx = torch.arange(max_seq, device=device)  # [max_seq]
+        live = idx[None, :] < seq_lens[:, None]  # [bs, max_seq]
+        pages = meta.page_table.to(device).gather(
+            1, (idx // page_size).clamp(max=meta.page_table.shape[1] - 1).expand(bs, -1)
+        )  # [bs, max_seq]
+        slots = torch.where(live, pages.to(torch.int64) * page_size + idx % page_size, 0)
+        allowed = torch.zeros(bs, max_q, max_seq, dtype=torch.bool)
+        token_req: list[int] = []
+        token_row: list[int] = []
+        offset = 0
         for i, (q_len, seq_len) in enumerate(
             zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
         ):
-            if q_len == 0:
-                continue
-            prefix_len = seq_len - q_len
-            idx = torch.arange(seq_len, device=q.device)
-            slots = meta.page_table[i, idx // page_size].to(torch.int64) * page_size
-            slots += idx % page_size
-            keys = k_cache[slots].to(torch.float32)  # [seq_len, num_kv_heads, head_dim]
-            values = v_cache[slots].to(torch.float32)
-            qi = q[q_start : q_start + q_len].to(torch.float32)  # [q_len, num_heads, head_dim]
-            # [num_kv_heads, group, q_len, head_dim] x [num_kv_heads, head_dim, seq_len]
-            qi = qi.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-            scores = torch.matmul(qi, keys.permute(1, 2, 0).unsqueeze(1)) * scale
-            allowed = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
+            prefix = meta.prefix_len(i)
+            width = seq_len - prefix
+            allowed[i, :q_len, :prefix] = True
             if meta.custom_mask is not None:
-                block = meta.custom_mask[mask_offset : mask_offset + q_len * q_len]
-                allowed[:, prefix_len:] = block.view(q_len, q_len)
+                block = meta.custom_mask[offset : offset + q_len * width].cpu()
+                allowed[i, :q_len, prefix:seq_len] = block.view(q_len, width)
+                offset += q_len * width
             else:
-                allowed[:, prefix_len:] = torch.ones(
-                    q_len, q_len, dtype=torch.bool, device=q.device
-                ).tril_()
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            # [num_kv_heads, group, q_len, head_dim] -> [q_len, num_heads, head_dim]
-            attn = torch.matmul(probs, values.permute(1, 0, 2).unsqueeze(1))
-            out[q_start : q_start + q_len] = attn.permute(2, 0, 1, 3).reshape(
-                q_len, num_heads, head_dim
-            )
-            q_start += q_len
-            mask_offset += q_len * q_len
-        return out
+                causal = torch.ones(q_len, width, dtype=torch.bool).tril_(width - q_len)
+                allowed[i, :q_len, prefix:seq_len] = causal
+            token_req += [i] * q_len
+            token_row += range(q_len)
+        # Padded query rows see the null slot only, so their softmax stays finite.
+        allowed[:, :, 0] |= ~allowed.any(dim=-1)
+        dense = _Dense(
+            slots=slots,
+            allowed=allowed.to(device),
+            token_req=torch.tensor(token_req, dtype=torch.int64, device=device),
+            token_row=torch.tensor(token_row, dtype=torch.int64, device=device),
+            max_q=max_q,
+        )
+        self._cache = (meta, dense)
+        return dense
 
 
 def store_kv(

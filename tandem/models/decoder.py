@@ -63,7 +63,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    """Self-attention over the paged KV. ``input_size`` (default ``hidden_size``) is the width
+    q/k/v read; EAGLE-3's draft layer attends over ``[embedding; hidden]``, twice as wide."""
+
+    def __init__(
+        self, config: ModelConfig, layer_id: int, *, input_size: int | None = None
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_heads
@@ -73,7 +78,7 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         # q, k and v fused into one matmul; the loader concatenates the checkpoint's weights.
         self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+            input_size or config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -82,7 +87,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden]
+        x: torch.Tensor,  # [num_tokens, input_size]
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [num_tokens, hidden]

@@ -43,7 +43,7 @@ def prefill_logits(eng: Engine, prompts: list[list[int]]) -> list[torch.Tensor]:
         batch.num_new_tokens.append(len(p))
     inputs = eng.runner.prepare(batch)
     inputs.logits_indices = torch.arange(inputs.input_ids.numel(), device="cuda")
-    logits = eng.runner.forward_logits(inputs)
+    logits = eng.runner.forward(inputs).logits
     for i in range(len(prompts)):
         eng.kv.allocator.free(f"p{i}")
     return list(logits.split([len(p) for p in prompts]))

@@ -1,0 +1,1 @@
+"""Speculative decoding: trees, drafters, verification (DESIGN.md section 3)."""

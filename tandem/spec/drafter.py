@@ -1,0 +1,441 @@
+"""Draft side of the cycle: the ``Drafter`` interface and the model-based drafter.
+
+One call per step mirrors the wire (``draft.proto``): the target hands over new requests,
+the outcomes of its last verification and released ids; the drafter extends its own paged KV
+with the committed tokens and answers with the next tree of every request it tracks.
+
+``ModelDrafter`` runs one or more :class:`DraftModule` s. EAGLE-3, EAGLE-1 and a standalone LM
+are one module; MTP is one module per head. Module ``m`` expands the nodes at depth
+``min(d, M-1)``; head ``m`` consumes token ``t_j`` at position ``j - 1 - m`` with, as hidden,
+the target feature of that position (``target`` mode) or head ``m-1``'s output there
+(``chain`` mode); past the last head, and always for EAGLE, a module feeds on its own output at
+the parent. Every module keeps the committed pairs in its KV; a tree's pairs go after them as
+scratch entries that each see only their ancestors (exact tree attention) and are dropped after
+drafting.
+
+Known limit: candidate bookkeeping runs on the host between draft steps (one device read per
+step). The GPU issue's draft-loop graph replaces it for the single-module kinds.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.reference import top1_ref, topk_ref
+from tandem.attention import AttentionMetadata, TorchAttention
+from tandem.errors import KVExhausted
+from tandem.kv import KVCache
+from tandem.models import ForwardContext
+from tandem.models.draft import DraftModule
+from tandem.spec.tree import CandidatePool
+from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
+
+logger = logging.getLogger(__name__)
+
+
+class Drafter(ABC):
+    """Proposes trees. ``target_layer_ids`` are the target features it needs (transformers'
+    ``hidden_states`` numbering, concatenated in this order); empty for token-only drafts."""
+
+    target_layer_ids: tuple[int, ...] = ()
+
+    @abstractmethod
+    def step(
+        self,
+        admits: Sequence[DraftAdmit],
+        outcomes: Sequence[VerifyOutcome],
+        released: Sequence[str],
+    ) -> dict[str, Tree]:
+        """Applies one step's updates and returns the next tree of each updated request."""
+
+    def num_tracked(self) -> int:
+        """Requests this drafter holds state for (0 after every release: a tested invariant)."""
+        return 0
+
+
+@dataclass
+class _Seq:
+    """What the drafter keeps per request."""
+
+    spec: SpecConfig
+    tokens: list[int]  # committed tokens; the last is the verified token
+    features: torch.Tensor | None  # [w, F] target features of positions feature_start...
+    feature_start: int
+    last_out: list[torch.Tensor | None]  # per module: output of its last committed pair [H_d]
+    scratch: list[dict[int, tuple[int, torch.Tensor]]] = field(default_factory=list)
+
+
+@dataclass
+class _Pair:
+    """One pair to run through a module: which request, token, position and hidden."""
+
+    request_id: str
+    token: int
+    position: int
+    hidden: torch.Tensor | None  # [H_d]
+    node: int | None = None  # pool index when it is a tree node (scratch entry)
+
+
+class ModelDrafter(Drafter):
+    def __init__(
+        self,
+        modules: Sequence[DraftModule],
+        kvs: Sequence[KVCache],
+        *,
+        target_layer_ids: tuple[int, ...],
+        mode: str = "chain",
+        device: torch.device | str = "cpu",
+        fast_top1: bool = True,
+    ) -> None:
+        if not modules or len(modules) != len(kvs):
+            raise ValueError("modules: one KV cache per module expected")
+        if mode not in ("chain", "target"):
+            raise ValueError(f"mode: {mode!r} is not chain or target")
+        self.modules = list(modules)
+        self.kvs = list(kvs)
+        self.target_layer_ids = target_layer_ids
+        self.mode = mode
+        self.device = device
+        # K=1 takes argmax and its exact probability from one pass over the logits (top1);
+        # False takes the softmax + topk path instead (kept to show both give the same trees).
+        self.fast_top1 = fast_top1
+        self.backend = TorchAttention()
+        self.seqs: dict[str, _Seq] = {}
+
+    def num_tracked(self) -> int:
+        return len(self.seqs)
+
+    @torch.inference_mode()
+    def step(
+        self,
+        admits: Sequence[DraftAdmit],
+        outcomes: Sequence[VerifyOutcome],
+        released: Sequence[str],
+    ) -> dict[str, Tree]:
+        for request_id in released:
+            self._release(request_id)
+        updates: list[tuple[str, list[int], torch.Tensor | None]] = []
+        for admit in admits:
+            self._release(admit.request_id)  # a re-admission starts over
+            self.seqs[admit.request_id] = _Seq(
+                spec=admit.spec,
+                tokens=[],
+                features=None,
+                feature_start=0,
+                last_out=[None] * len(self.modules),
+            )
+            for kv in self.kvs:
+                kv.allocator.allocate(admit.request_id, 0)
+            updates.append((admit.request_id, admit.token_ids, admit.features))
+        for outcome in outcomes:
+            if outcome.request_id in self.seqs:
+                new = [*outcome.accepted_token_ids, outcome.bonus_token_id]
+                updates.append((outcome.request_id, new, outcome.features))
+        ids = [request_id for request_id, _, _ in updates]
+        try:
+            self._extend(updates)
+        except KVExhausted:
+            logger.warning("draft KV pool is full: releasing %d requests", len(ids))
+            for request_id in ids:
+                self._release(request_id)
+            return {}
+        return self._draft(ids)
+
+    def _release(self, request_id: str) -> None:
+        if self.seqs.pop(request_id, None) is not None:
+            for kv in self.kvs:
+                kv.allocator.free(request_id)
+
+    # -- committed pairs -------------------------------------------------------------------
+
+    def _extend(self, updates: list[tuple[str, list[int], torch.Tensor | None]]) -> None:
+        """Appends committed tokens (and their features) and runs every module over the pairs
+        that became complete."""
+        starts: dict[str, int] = {}
+        for request_id, new_tokens, features in updates:
+            seq = self.seqs[request_id]
+            starts[request_id] = len(seq.tokens)
+            seq.tokens.extend(new_tokens)
+            if features is not None:
+                self._add_features(seq, features)
+        prev_outs: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        for m, module in enumerate(self.modules):
+            pairs: list[list[_Pair]] = []
+            firsts: list[int] = []
+            for request_id, _, _ in updates:
+                seq = self.seqs[request_id]
+                first = max(starts[request_id], module.shift)
+                firsts.append(first)
+                pairs.append(
+                    [
+                        _Pair(
+                            request_id,
+                            seq.tokens[j],
+                            j - module.shift,
+                            self._committed_hidden(m, seq, j, prev_outs.get(request_id)),
+                        )
+                        for j in range(first, len(seq.tokens))
+                    ]
+                )
+            outs = self._run(m, pairs, masks=None)
+            for (request_id, _, _), first, out in zip(updates, firsts, outs, strict=True):
+                seq = self.seqs[request_id]
+                prev_outs[request_id] = (first, [seq.last_out[m], *out])  # type: ignore[list-item]
+                if out:
+                    seq.last_out[m] = out[-1]
+        for request_id, _, _ in updates:
+            self._trim_features(self.seqs[request_id])
+
+    def _committed_hidden(
+        self,
+        m: int,
+        seq: _Seq,
+        j: int,
+        prev: tuple[int, list[torch.Tensor]] | None,
+    ) -> torch.Tensor | None:
+        """Hidden input of module ``m``'s committed pair that consumes token ``t_j``."""
+        module = self.modules[m]
+        if not module.uses_hidden:
+            return None
+        if m == 0 or self.mode == "target":
+            return self._feature(seq, m, j - 1 - m)
+        assert prev is not None, "chain head extended before the head it feeds on"
+        first, outs = prev  # outs[0]: module m-1's output before `first`; then one per pair
+        return outs[j - 1 - first + 1]
+
+    def _add_features(self, seq: _Seq, features: torch.Tensor) -> None:
+        features = features.to(self.device)
+        if seq.features is None:
+            # Features start at the position of the first token of this update minus one.
+            seq.feature_start = len(seq.tokens) - 1 - features.shape[0]
+            seq.features = features
+        else:
+            seq.features = torch.cat([seq.features, features])
+
+    def _trim_features(self, seq: _Seq) -> None:
+        """Keeps the last M features: all that target-mode heads can still ask for."""
+        if seq.features is None:
+            return
+        keep = len(self.modules)
+        drop = max(0, seq.features.shape[0] - keep)
+        seq.features = seq.features[drop:]
+        seq.feature_start += drop
+
+    def _feature(self, seq: _Seq, m: int, position: int) -> torch.Tensor:
+        assert seq.features is not None, "a hidden-consuming draft got no target features"
+        row = position - seq.feature_start
+        assert 0 <= row < seq.features.shape[0], f"feature {position} is not kept"
+        return self.modules[m].project_target(seq.features[row : row + 1])[0]
+
+    def _run(
+        self,
+        m: int,
+        pairs: list[list[_Pair]],
+        masks: list[torch.Tensor] | None,
+    ) -> list[list[torch.Tensor]]:
+        """One forward of module ``m`` over each request's pairs, appended to its KV; with
+        ``masks`` ([pairs, scratch entries] per request) they are scratch entries seeing the
+        committed prefix plus what their mask row allows. Returns outputs per request."""
+        module, kv = self.modules[m], self.kvs[m]
+        alloc = kv.allocator
+        flat = [p for chunk in pairs for p in chunk]
+        if not flat:
+            return [[] for _ in pairs]
+        req_ids = [chunk[0].request_id if chunk else "" for chunk in pairs]
+        live = [i for i, chunk in enumerate(pairs) if chunk]
+        starts, ends, prefixes = [], [], []
+        for i in live:
+            request_id = req_ids[i]
+            start = alloc.num_tokens(request_id)
+            alloc.extend(request_id, len(pairs[i]))
+            starts.append(start)
+            ends.append(start + len(pairs[i]))
+            prefixes.append(start if masks is None else start - (masks[i].shape[1] - len(pairs[i])))
+        live_ids = [req_ids[i] for i in live]
+        meta = AttentionMetadata.build(
+            page_size=alloc.page_size,
+            query_lens=[len(pairs[i]) for i in live],
+            seq_lens=ends,
+            page_table=alloc.page_table(live_ids, device=self.device),
+            slot_mapping=kv.slot_mapping_tensor(live_ids, starts, ends),
+            masks=None if masks is None else [masks[i] for i in live],
+            prefix_lens=prefixes,
+        )
+        device = self.device
+        token_ids = torch.tensor([p.token for p in flat], dtype=torch.int64, device=device)
+        positions = torch.tensor([p.position for p in flat], dtype=torch.int64, device=device)
+        hidden = None
+        if module.uses_hidden:
+            hidden = torch.stack([p.hidden for p in flat])  # type: ignore[misc]
+        ctx = ForwardContext(kv=kv, meta=meta, backend=self.backend)
+        out = module(token_ids, hidden, positions, ctx)
+        split = out.split([len(chunk) for chunk in pairs])
+        return [list(rows.unbind(0)) for rows in split]
+
+    # -- trees -----------------------------------------------------------------------------
+
+    def _draft(self, request_ids: list[str]) -> dict[str, Tree]:
+        pools: dict[str, CandidatePool] = {}
+        for request_id in request_ids:
+            seq = self.seqs[request_id]
+            pools[request_id] = CandidatePool(verified_token=seq.tokens[-1])
+            seq.scratch = [{} for _ in self.modules]
+        roots = [r for r in request_ids if self.seqs[r].last_out[0] is not None]
+        for r in request_ids:
+            if r not in roots:
+                pools[r].stopped = True  # too little context for a first pair yet
+        if roots:
+            outs = torch.stack([self.seqs[r].last_out[0] for r in roots])  # type: ignore[misc]
+            self._expand(0, roots, [[-1] for _ in roots], outs, pools)
+        max_steps = max((self.seqs[r].spec.num_steps for r in request_ids), default=0)
+        for step in range(1, max_steps):
+            active = [
+                r
+                for r in request_ids
+                if not pools[r].stopped and step < self.seqs[r].spec.num_steps
+            ]
+            if not active:
+                break
+            self._draft_step(step, active, pools)
+        trees = {}
+        for request_id in request_ids:
+            seq = self.seqs[request_id]
+            for m, kv in enumerate(self.kvs):
+                committed = max(0, len(seq.tokens) - self.modules[m].shift)
+                kv.allocator.truncate(request_id, committed)
+            seq.scratch = []
+            pool = pools[request_id]
+            n = min(seq.spec.tree_size, len(pool.tokens) + 1)
+            trees[request_id] = pool.to_tree(n)
+        return trees
+
+    def _draft_step(self, step: int, active: list[str], pools: dict[str, CandidatePool]) -> None:
+        """Expands each active request's frontier (nodes at depth ``step``)."""
+        m = min(step, len(self.modules) - 1)
+        module = self.modules[m]
+        pairs: list[list[_Pair]] = []
+        masks: list[torch.Tensor] = []
+        for request_id in active:
+            seq, pool = self.seqs[request_id], pools[request_id]
+            base = len(seq.tokens) - 1  # target position of node 0
+            scratch = seq.scratch[m]
+            chunk: list[_Pair] = []
+            for x in pool.frontier:
+                for y in pool.path(x):
+                    if y in scratch or any(p.node == y for p in chunk):
+                        continue
+                    position = base + pool.depths[y] - module.shift
+                    if position < 0:
+                        pool.stopped = True
+                        break
+                    hidden = self._tree_hidden(m, seq, pool, y)
+                    chunk.append(_Pair(request_id, pool.tokens[y], position, hidden, node=y))
+            if chunk and not self.kvs[m].allocator.can_extend(request_id, len(chunk)):
+                pool.stopped = True  # no room for scratch entries: propose what we have
+            if pool.stopped:
+                chunk = []
+            pairs.append(chunk)
+            masks.append(self._scratch_mask(scratch, chunk, pool))
+        outs = self._run(m, pairs, masks)
+        alloc = self.kvs[m].allocator
+        rows: list[str] = []
+        parents: list[list[int]] = []
+        frontier_outs: list[torch.Tensor] = []
+        for request_id, chunk, out in zip(active, pairs, outs, strict=True):
+            if not chunk:
+                continue
+            seq, pool = self.seqs[request_id], pools[request_id]
+            end = alloc.num_tokens(request_id)
+            for i, (pair, row) in enumerate(zip(chunk, out, strict=True)):
+                assert pair.node is not None
+                seq.scratch[m][pair.node] = (end - len(chunk) + i, row)
+            rows.append(request_id)
+            parents.append(list(pool.frontier))
+            frontier_outs.extend(seq.scratch[m][x][1] for x in pool.frontier)
+        if rows:
+            self._expand(m, rows, parents, torch.stack(frontier_outs), pools)
+
+    def _expand(
+        self,
+        m: int,
+        request_ids: list[str],
+        parents: list[list[int]],
+        outs: torch.Tensor,  # [sum(len(parents)), H_d], one row per parent, in order
+        pools: dict[str, CandidatePool],
+    ) -> None:
+        """Top-K children of every parent; the K best new candidates become the frontier."""
+        module = self.modules[m]
+        logits = module.compute_logits(outs)
+        k = max(self.seqs[r].spec.topk for r in request_ids)
+        if k == 1 and self.fast_top1:
+            ids, logprobs, valid = top1_ref(logits)
+            ids, logprobs = ids[:, None], logprobs[:, None]
+        elif k == 1:
+            ids, logprobs, valid = _softmax_topk(logits, 1)
+        else:
+            ids, logprobs, valid = topk_ref(logits, min(k, logits.shape[-1]))
+        ids = module.to_target_ids(ids)
+        ids_host, logprobs_host, valid_host = ids.tolist(), logprobs.tolist(), valid.tolist()
+        row = 0
+        for request_id, request_parents in zip(request_ids, parents, strict=True):
+            pool, topk = pools[request_id], self.seqs[request_id].spec.topk
+            added: list[int] = []
+            for parent in request_parents:
+                if not valid_host[row]:
+                    pool.stopped = True  # NaN/inf logits: nothing from this row is proposed
+                else:
+                    added += pool.add_children(
+                        parent, ids_host[row][:topk], logprobs_host[row][:topk]
+                    )
+                row += 1
+            pool.select_frontier(added, topk)
+            if not added:
+                pool.stopped = True
+
+    def _tree_hidden(self, m: int, seq: _Seq, pool: CandidatePool, y: int) -> torch.Tensor | None:
+        """Hidden input of module ``m``'s pair that consumes tree node ``y``."""
+        if not self.modules[m].uses_hidden:
+            return None
+        depth = pool.depths[y]
+        if m >= 1 and depth <= m:
+            if self.mode == "target":
+                return self._feature(seq, m, len(seq.tokens) - 2 + depth - m)
+            ancestor = pool.path(y)[depth - 2] if depth >= 2 else None
+            if ancestor is None:
+                return seq.last_out[m - 1]
+            return seq.scratch[m - 1][ancestor][1]
+        parent = pool.parents[y]
+        if parent < 0:
+            return seq.last_out[m]
+        return seq.scratch[m][parent][1]
+
+    @staticmethod
+    def _scratch_mask(
+        scratch: dict[int, tuple[int, torch.Tensor]], chunk: list[_Pair], pool: CandidatePool
+    ) -> torch.Tensor:  # [len(chunk), len(scratch) + len(chunk)] bool
+        """Each new scratch entry sees the scratch entries of its ancestors and itself."""
+        order = sorted(scratch, key=lambda node: scratch[node][0]) + [p.node for p in chunk]
+        column = {node: c for c, node in enumerate(order)}
+        mask = torch.zeros(len(chunk), len(order), dtype=torch.bool)
+        for r, pair in enumerate(chunk):
+            assert pair.node is not None
+            for node in pool.path(pair.node):
+                if node in column:
+                    mask[r, column[node]] = True
+        return mask
+
+
+def _softmax_topk(
+    logits: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [R, k], [R, k], [R]
+    """The materialised-softmax path: softmax, then topk over the probabilities."""
+    x = logits.float()
+    valid = ~(x.isnan() | x.isposinf()).any(dim=-1) & (x.amax(dim=-1) > float("-inf"))
+    probs = torch.softmax(x.masked_fill(~valid[:, None], 0.0), dim=-1)
+    top = torch.topk(probs, k, dim=-1)
+    return top.indices, top.values.log(), valid
