@@ -84,6 +84,22 @@ def generate(
         int, typer.Option(help="Tokens per forward; longer prompts are prefilled in chunks.")
     ] = 2048,
     num_pages: Annotated[int | None, typer.Option(help="KV pool size in pages.")] = None,
+    draft: Annotated[
+        Path | None,
+        typer.Option(envvar="TANDEM_DRAFT", help="Draft checkpoint directory (speculation on)."),
+    ] = None,
+    draft_kind: Annotated[
+        str | None,
+        typer.Option(help="eagle3, eagle, mtp, model or ngram (ngram needs no --draft)."),
+    ] = None,
+    mtp_mode: Annotated[
+        str, typer.Option(help="MTP heads fed the previous head's hidden (chain) or the target's.")
+    ] = "chain",
+    spec_steps: Annotated[int, typer.Option(help="S: draft steps per cycle.")] = 3,
+    spec_topk: Annotated[int, typer.Option(help="K: candidates per draft step (1 = chain).")] = 1,
+    spec_tokens: Annotated[
+        int | None, typer.Option(help="N: tree nodes incl. the verified token (default S+1).")
+    ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="One JSON object per prompt, one per line.")
     ] = False,
@@ -96,6 +112,8 @@ def generate(
     from tandem.engine import Engine
     from tandem.errors import CheckpointError, TandemError
     from tandem.sampling import SamplingParams
+    from tandem.spec.build import DraftConfig, build_drafter
+    from tandem.spec.types import SpecConfig
 
     texts = read_prompts(prompts)
     if target is None:
@@ -127,8 +145,23 @@ def generate(
             max_num_batched_tokens=max_num_batched_tokens,
             num_pages=num_pages,
         )
+        drafter = spec = None
+        if draft is not None or draft_kind is not None:
+            spec = SpecConfig(num_steps=spec_steps, topk=spec_topk, num_draft_tokens=spec_tokens)
         with err.status(f"loading {target}"):
-            engine = Engine(config)
+            if spec is not None:
+                draft_config = DraftConfig(
+                    kind=draft_kind or "eagle3",
+                    path=draft,
+                    target=target,
+                    mtp_mode=mtp_mode,
+                    dtype=dtype,
+                    device=device,
+                    page_size=page_size,
+                )
+                layers = _num_layers(target)
+                drafter = build_drafter(draft_config, layers)
+            engine = Engine(config, drafter=drafter, spec=spec)
         prompt_ids = [tokenizer(t)["input_ids"] for t in texts]
         total = sum(p.max_new_tokens for p in params)
         with Progress(
@@ -152,13 +185,20 @@ def generate(
             "finish_reason": result.finish_reason.value,
             "prompt_tokens": len(result.prompt_ids),
             "completion_tokens": len(result.token_ids),
+            "accept_length": round(result.stats.accept_length, 4),
+            "draft_tokens": result.stats.draft_tokens,
+            "accepted_tokens": result.stats.accepted_tokens,
+            "verify_steps": result.stats.verify_steps,
         }
         if as_json:
             sys.stdout.write(json.dumps(record) + "\n")
         else:
             out.print(f"[bold]{text}[/bold]", highlight=False, markup=False)
             out.print(record["text"], highlight=False, markup=False)
-            err.print(f"[dim]({record['completion_tokens']} tokens, {record['finish_reason']})")
+            err.print(
+                f"[dim]({record['completion_tokens']} tokens, {record['finish_reason']}, "
+                f"accept length {record['accept_length']:.2f})"
+            )
     sys.stdout.flush()
 
 
@@ -171,3 +211,9 @@ def load_tokenizer(path: Path) -> Any:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot load a tokenizer ({exc})") from exc
+
+
+def _num_layers(target: Path) -> int:
+    from tandem.models.config import ModelConfig
+
+    return ModelConfig.from_pretrained(target).num_layers
