@@ -23,7 +23,7 @@ from tandem.request import FinishReason, Request, RequestOutput
 from tandem.runner import ModelInputs, ModelOutputs, ModelRunner
 from tandem.sampling import SamplingParams, make_generator
 from tandem.scheduler import ScheduledBatch, Scheduler
-from tandem.spec.drafter import Drafter
+from tandem.spec.base import Drafter
 from tandem.spec.types import DraftAdmit, SpecConfig, SpecStats, VerifyOutcome
 from tandem.spec.verify import Verified, compact, verify
 

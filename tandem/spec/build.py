@@ -10,7 +10,8 @@ import torch
 from tandem.config import DTYPES
 from tandem.kv import KVCache, KVCacheSpec
 from tandem.models.draft import DraftModule
-from tandem.spec.drafter import Drafter, ModelDrafter
+from tandem.spec.base import Drafter
+from tandem.spec.drafter import ModelDrafter
 from tandem.spec.ngram import NgramDrafter
 
 DRAFT_KINDS = ("eagle3", "eagle", "mtp", "model", "ngram")

@@ -1,4 +1,4 @@
-"""Draft side of the cycle: the ``Drafter`` interface and the model-based drafter.
+"""Draft side of the cycle: the model-based drafter (the interface is in ``base.py``).
 
 One call per step mirrors the wire (``draft.proto``): the target hands over new requests,
 the outcomes of its last verification and released ids; the drafter extends its own paged KV
@@ -20,7 +20,6 @@ step). The GPU issue's draft-loop graph replaces it for the single-module kinds.
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,30 +31,11 @@ from tandem.errors import KVExhausted
 from tandem.kv import KVCache
 from tandem.models import ForwardContext
 from tandem.models.draft import DraftModule
-from tandem.spec.tree import CandidatePool
+from tandem.spec.base import Drafter
+from tandem.spec.tree import CandidatePool, scratch_mask, softmax_topk
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
 
 logger = logging.getLogger(__name__)
-
-
-class Drafter(ABC):
-    """Proposes trees. ``target_layer_ids`` are the target features it needs (transformers'
-    ``hidden_states`` numbering, concatenated in this order); empty for token-only drafts."""
-
-    target_layer_ids: tuple[int, ...] = ()
-
-    @abstractmethod
-    def step(
-        self,
-        admits: Sequence[DraftAdmit],
-        outcomes: Sequence[VerifyOutcome],
-        released: Sequence[str],
-    ) -> dict[str, Tree]:
-        """Applies one step's updates and returns the next tree of each updated request."""
-
-    def num_tracked(self) -> int:
-        """Requests this drafter holds state for (0 after every release: a tested invariant)."""
-        return 0
 
 
 @dataclass
@@ -340,7 +320,7 @@ class ModelDrafter(Drafter):
             if pool.stopped:
                 chunk = []
             pairs.append(chunk)
-            masks.append(self._scratch_mask(scratch, chunk, pool))
+            masks.append(scratch_mask(scratch, [p.node for p in chunk], pool))
         outs = self._run(m, pairs, masks)
         alloc = self.kvs[m].allocator
         rows: list[str] = []
@@ -376,7 +356,7 @@ class ModelDrafter(Drafter):
             ids, logprobs, valid = top1_ref(logits)
             ids, logprobs = ids[:, None], logprobs[:, None]
         elif k == 1:
-            ids, logprobs, valid = _softmax_topk(logits, 1)
+            ids, logprobs, valid = softmax_topk(logits, 1)
         else:
             ids, logprobs, valid = topk_ref(logits, min(k, logits.shape[-1]))
         ids = module.to_target_ids(ids)
@@ -413,29 +393,3 @@ class ModelDrafter(Drafter):
         if parent < 0:
             return seq.last_out[m]
         return seq.scratch[m][parent][1]
-
-    @staticmethod
-    def _scratch_mask(
-        scratch: dict[int, tuple[int, torch.Tensor]], chunk: list[_Pair], pool: CandidatePool
-    ) -> torch.Tensor:  # [len(chunk), len(scratch) + len(chunk)] bool
-        """Each new scratch entry sees the scratch entries of its ancestors and itself."""
-        order = sorted(scratch, key=lambda node: scratch[node][0]) + [p.node for p in chunk]
-        column = {node: c for c, node in enumerate(order)}
-        mask = torch.zeros(len(chunk), len(order), dtype=torch.bool)
-        for r, pair in enumerate(chunk):
-            assert pair.node is not None
-            for node in pool.path(pair.node):
-                if node in column:
-                    mask[r, column[node]] = True
-        return mask
-
-
-def _softmax_topk(
-    logits: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [R, k], [R, k], [R]
-    """The materialised-softmax path: softmax, then topk over the probabilities."""
-    x = logits.float()
-    valid = ~(x.isnan() | x.isposinf()).any(dim=-1) & (x.amax(dim=-1) > float("-inf"))
-    probs = torch.softmax(x.masked_fill(~valid[:, None], 0.0), dim=-1)
-    top = torch.topk(probs, k, dim=-1)
-    return top.indices, top.values.log(), valid

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.spec.drafter import Drafter
+from tandem.spec.base import Drafter
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from tandem.spec.types import Tree
 
 
@@ -68,3 +70,33 @@ class CandidatePool:
 def _best(indices: range | list[int], scores: list[float], k: int) -> list[int]:
     """The ``k`` highest-scoring indices; a stable sort keeps the lower index first on ties."""
     return sorted(indices, key=lambda i: -scores[i])[:k]
+
+
+def scratch_mask(
+    scratch: dict[int, tuple[int, torch.Tensor]],  # node -> (KV index, output), drafted so far
+    new_nodes: list[int | None],  # the nodes of the entries appended now, in order
+    pool: CandidatePool,
+) -> torch.Tensor:  # [len(new_nodes), len(scratch) + len(new_nodes)] bool
+    """Exact tree attention for draft scratch entries: each new entry sees the entries of its
+    ancestors and itself, in KV order (earlier scratch entries, then the new ones)."""
+    order = sorted(scratch, key=lambda node: scratch[node][0]) + list(new_nodes)
+    column = {node: c for c, node in enumerate(order)}
+    mask = torch.zeros(len(new_nodes), len(order), dtype=torch.bool)
+    for r, node in enumerate(new_nodes):
+        assert node is not None
+        for ancestor in pool.path(node):
+            if ancestor in column:
+                mask[r, column[ancestor]] = True
+    return mask
+
+
+def softmax_topk(
+    logits: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [R, k], [R, k], [R]
+    """The materialised-softmax path (softmax, then topk over probabilities): the oracle the
+    fused top-1 path is checked against in the drafter."""
+    x = logits.float()
+    valid = ~(x.isnan() | x.isposinf()).any(dim=-1) & (x.amax(dim=-1) > float("-inf"))
+    probs = torch.softmax(x.masked_fill(~valid[:, None], 0.0), dim=-1)
+    top = torch.topk(probs, k, dim=-1)
+    return top.indices, top.values.log(), valid
