@@ -23,7 +23,7 @@ status() { if [ "$1" -eq 0 ]; then echo pass; else echo "FAIL($1)"; fi; }
 python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.log" 2>&1
 gpu_rc=$?
 # test_protos regenerates stubs with grpcio-tools and runs buf: neither is on the GPU image.
-python3 -m pytest -q -p no:cacheprovider tests/unit --ignore=tests/unit/test_protos.py \
+python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/unit/test_protos.py -m "not gpu" \
   > "$OUT/cpu_suite.log" 2>&1
 cpu_rc=$?
 
