@@ -250,17 +250,18 @@ class Engine:
                 )
             )
         trees = self.drafter.step(admits, outcomes, released)
+        for request_id in self.drafter.take_dropped():
+            lost = self._requests.get(request_id)
+            if lost is not None and lost.in_draft:
+                # Its draft state is gone (and so are its prompt features here): no more trees.
+                logger.warning("request %s: dropped by the draft; not speculating", request_id)
+                lost.in_draft = lost.speculate = False
         updated = [a.request_id for a in admits] + [o.request_id for o in outcomes]
         for request_id in updated:
             req = self._requests[request_id]
             tree = trees.get(request_id)
-            if tree is None:
-                # The draft dropped it (its pool was full): decode it without a draft from now.
-                logger.warning(
-                    "request %s: the draft gave no tree; not speculating", req.request_id
-                )
-                req.in_draft = req.speculate = False
-                continue
+            if tree is None or not req.in_draft:
+                continue  # no tree this step: it decodes one token
             problem = tree.check(
                 vocab_size=self.model.config.vocab_size,
                 max_nodes=self.spec.tree_size,

@@ -21,7 +21,13 @@ class Drafter(ABC):
         outcomes: Sequence[VerifyOutcome],
         released: Sequence[str],
     ) -> dict[str, Tree]:
-        """Applies one step's updates and returns the next tree of each updated request."""
+        """Applies one step's updates and returns the next tree of each updated request. A
+        request without a tree decodes without speculation this step (a late draft, say)."""
+
+    def take_dropped(self) -> list[str]:
+        """Requests whose draft state was lost since the last call (a full draft pool, a
+        restarted draft service); they are not sent to the draft again."""
+        return []
 
     def num_tracked(self) -> int:
         """Requests this drafter holds state for (0 after every release: a tested invariant)."""

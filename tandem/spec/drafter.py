@@ -86,9 +86,14 @@ class ModelDrafter(Drafter):
         self.fast_top1 = fast_top1
         self.backend = TorchAttention()
         self.seqs: dict[str, _Seq] = {}
+        self._dropped: list[str] = []
 
     def num_tracked(self) -> int:
         return len(self.seqs)
+
+    def take_dropped(self) -> list[str]:
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     @torch.inference_mode()
     def step(
@@ -120,9 +125,10 @@ class ModelDrafter(Drafter):
         try:
             self._extend(updates)
         except KVExhausted:
-            logger.warning("draft KV pool is full: releasing %d requests", len(ids))
+            logger.warning("draft KV pool is full: dropping %d requests", len(ids))
             for request_id in ids:
                 self._release(request_id)
+            self._dropped += ids
             return {}
         return self._draft(ids)
 
