@@ -103,8 +103,12 @@ def generate(
     as_json: Annotated[
         bool, typer.Option("--json", help="One JSON object per prompt, one per line.")
     ] = False,
+    server: Annotated[
+        str | None,
+        typer.Option(envvar="TANDEM_SERVER", help="HOST:PORT of a gateway: generate through it."),
+    ] = None,
 ) -> None:
-    """Generate text for PROMPTs with the target model alone (in-process)."""
+    """Generate text for PROMPTs, in-process or through a running gateway (--server)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -116,6 +120,23 @@ def generate(
     from tandem.spec.types import SpecConfig
 
     texts = read_prompts(prompts)
+    if server is not None:
+        from tandem.client import generate_remote
+
+        records = generate_remote(
+            server,
+            texts,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            ignore_eos=ignore_eos,
+        )
+        _print_records(records, as_json)
+        return
     if target is None:
         raise typer.BadParameter("no --target given (or TANDEM_TARGET)", param_hint="--target")
     err = Console(stderr=True)
@@ -176,7 +197,7 @@ def generate(
     except (TandemError, ValueError) as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
-    out = Console(soft_wrap=True)
+    records = []
     for text, result in zip(texts, results, strict=True):
         record: dict[str, Any] = {
             "prompt": text,
@@ -190,15 +211,24 @@ def generate(
             "accepted_tokens": result.stats.accepted_tokens,
             "verify_steps": result.stats.verify_steps,
         }
+        records.append(record)
+    _print_records(records, as_json)
+
+
+def _print_records(records: list[dict[str, Any]], as_json: bool) -> None:
+    from rich.console import Console
+
+    out, err = Console(soft_wrap=True), Console(stderr=True)
+    for record in records:
         if as_json:
             sys.stdout.write(json.dumps(record) + "\n")
-        else:
-            out.print(f"[bold]{text}[/bold]", highlight=False, markup=False)
-            out.print(record["text"], highlight=False, markup=False)
-            err.print(
-                f"[dim]({record['completion_tokens']} tokens, {record['finish_reason']}, "
-                f"accept length {record['accept_length']:.2f})"
-            )
+            continue
+        out.print(record["prompt"], highlight=False, markup=False, style="bold")
+        out.print(record["text"], highlight=False, markup=False)
+        err.print(
+            f"[dim]({record['completion_tokens']} tokens, {record['finish_reason']}, "
+            f"accept length {record['accept_length']:.2f})"
+        )
     sys.stdout.flush()
 
 
@@ -217,3 +247,88 @@ def _num_layers(target: Path) -> int:
     from tandem.models.config import ModelConfig
 
     return ModelConfig.from_pretrained(target).num_layers
+
+
+@app.command()
+def serve(
+    target: Annotated[
+        Path | None,
+        typer.Option(envvar="TANDEM_TARGET", help="Target checkpoint directory (HF format)."),
+    ] = None,
+    draft: Annotated[Path | None, typer.Option(help="Draft checkpoint directory.")] = None,
+    draft_kind: Annotated[
+        str | None, typer.Option(help="eagle3, eagle, mtp, model or ngram.")
+    ] = None,
+    mtp_mode: Annotated[str, typer.Option(help="chain or target (mtp only).")] = "chain",
+    spec_steps: Annotated[int, typer.Option(help="S: draft steps per cycle.")] = 3,
+    spec_topk: Annotated[int, typer.Option(help="K: candidates per draft step.")] = 1,
+    spec_tokens: Annotated[int | None, typer.Option(help="N: tree nodes (default S+1).")] = None,
+    draft_deadline: Annotated[
+        float, typer.Option(help="Seconds a step waits for its trees before decoding without.")
+    ] = 1.0,
+    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 16,
+    gateway_port: Annotated[int, typer.Option(help="Public gRPC port.")] = 50051,
+    target_port: Annotated[int, typer.Option(help="Target service port.")] = 50052,
+    draft_port: Annotated[int, typer.Option(help="Draft service port.")] = 50053,
+    device: Annotated[str, typer.Option(envvar="TANDEM_DEVICE", help="cpu or cuda[:N].")] = "cpu",
+    dtype: Annotated[str, typer.Option(envvar="TANDEM_DTYPE", help="Model dtype.")] = "float32",
+    log_dir: Annotated[
+        Path | None, typer.Option(help="Write each service's log here instead of the terminal.")
+    ] = None,
+) -> None:
+    """Start draft, target and gateway as three local processes; Ctrl-C stops all three."""
+    import signal as signals
+    import time
+
+    from rich.console import Console
+
+    from tandem.launch import build_stack
+
+    if target is None:
+        raise typer.BadParameter("no --target given (or TANDEM_TARGET)", param_hint="--target")
+    spec_args = ["--spec-steps", str(spec_steps), "--spec-topk", str(spec_topk)]
+    if spec_tokens is not None:
+        spec_args += ["--spec-tokens", str(spec_tokens)]
+    stack = build_stack(
+        target=target,
+        draft=draft,
+        draft_kind=draft_kind,
+        mtp_mode=mtp_mode,
+        spec_args=spec_args,
+        page_size=page_size,
+        device=device,
+        dtype=dtype,
+        gateway_port=gateway_port,
+        target_port=target_port,
+        draft_port=draft_port,
+        draft_deadline_s=draft_deadline,
+    )
+    err = Console(stderr=True)
+    stopping = False
+
+    def stop(signum: int, _: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signals.signal(signals.SIGTERM, stop)
+    signals.signal(signals.SIGINT, stop)
+    try:
+        with err.status("starting services"):
+            stack.start(
+                log_dir=log_dir,
+                on_ready=lambda s: err.print(f"[green]ready[/green] {s.name} on port {s.port}"),
+            )
+        err.print(f"[bold]serving[/bold] on 127.0.0.1:{gateway_port} (Ctrl-C stops)")
+        while not stopping:
+            dead = stack.dead()
+            if dead:
+                names = ", ".join(f"{s.name} (exit {s.proc.returncode})" for s in dead if s.proc)
+                err.print(f"[red]stopped:[/red] {names}")
+                raise typer.Exit(1)
+            time.sleep(0.2)
+    except (RuntimeError, TimeoutError) as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    finally:
+        with err.status("stopping services"):
+            stack.stop()

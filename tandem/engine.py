@@ -91,7 +91,6 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=mc.eos_token_ids,
         )
-        self.capture_layers = drafter.target_layer_ids if drafter is not None else ()
         # Coins per verify step: a fixed block, so the random stream never depends on the tree.
         self.coin_block = spec.tree_size if spec is not None else 1
         self._requests: dict[str, Request] = {}
@@ -160,7 +159,9 @@ class Engine:
             return []
         decoding = [req.decoding for req in batch.requests]
         inputs = self.runner.prepare(batch)
-        outputs = self.runner.forward(inputs, self.capture_layers)
+        # Read every step: a remote draft announces its layers when it (re)connects.
+        layers = self.drafter.target_layer_ids if self.drafter is not None else ()
+        outputs = self.runner.forward(inputs, layers)
         verified = self._verify(batch, inputs, outputs)
         self._commit(batch, decoding, verified)
         results = self.scheduler.postprocess(
@@ -238,7 +239,13 @@ class Engine:
                 if features is not None:
                     req.draft_features.append(features[start : start + batch.num_new_tokens[i]])
                 if v is not None:
-                    admits.append(self._admit(req))
+                    admit = self._admit(req)
+                    if self._features_complete(admit):
+                        admits.append(admit)
+                    else:
+                        # Features were not captured for the whole prompt (the draft connected
+                        # while it was being prefilled): this request decodes without a draft.
+                        req.in_draft = req.speculate = False
                 continue
             assert v is not None, "a request the draft tracks ran without verification"
             outcomes.append(
@@ -272,6 +279,13 @@ class Engine:
                 continue
             room = min(self.max_model_len, len(req.prompt_ids) + req.params.max_new_tokens)
             req.tree = tree.prefix(max(1, room - req.num_computed))
+
+    def _features_complete(self, admit: DraftAdmit) -> bool:
+        assert self.drafter is not None
+        if not self.drafter.target_layer_ids:
+            return True
+        needed = len(admit.token_ids) - 1
+        return admit.features is not None and admit.features.shape[0] == needed
 
     def _admit(self, req: Request) -> DraftAdmit:
         assert self.spec is not None

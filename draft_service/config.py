@@ -1,0 +1,49 @@
+"""Draft service configuration: what to load (a `DraftConfig`) and how to serve it.
+
+Every flag of ``python -m draft_service`` has a ``TANDEM_DRAFT_*`` environment default (see
+``__main__.py``); flags win over the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.serving import DEFAULT_MAX_MESSAGE_BYTES, format_address
+from tandem.spec.build import DraftConfig
+from tandem.spec.types import SpecConfig
+
+MIN_MESSAGE_BYTES = 64 * 1024  # room for a hello, a few outcomes and one small frame
+
+# The largest S, K and N a Speculate stream may ask for (GetInfo reports them). Generous: the
+# draft's work grows with them, but it has no fixed buffers that would cap them today.
+DEFAULT_MAX_SPEC = SpecConfig(num_steps=8, topk=8, num_draft_tokens=64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftServiceConfig:
+    """How one draft service loads its drafter and listens."""
+
+    draft: DraftConfig  # kind, checkpoint, target, dtype, device, KV pool
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port (printed and logged once bound)
+    max_spec: SpecConfig = field(default_factory=lambda: DEFAULT_MAX_SPEC)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # per message, both directions
+    reflection: bool = False  # gRPC server reflection (grpcurl); off in production
+    grace_s: float = 10.0  # SIGTERM: open streams get this long before they are cut
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host: must not be empty")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: {self.port} is not a port number")
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes: must be >= {MIN_MESSAGE_BYTES}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"log_level: {self.log_level!r} is not a logging level")
+
+    @property
+    def bind_address(self) -> str:
+        return format_address(self.host, self.port)

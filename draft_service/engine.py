@@ -1,0 +1,235 @@
+"""The draft service's engine: owns the in-process drafter and runs every call into it on one
+dedicated worker thread, so the servicer's event loop never does model work.
+
+Several Speculate streams may share one drafter (a target that reconnects before its old
+stream is noticed dead, say), so request ids are namespaced per stream inside the drafter
+(``"<stream>/<request id>"``) and everything the engine reports is mapped back. All state
+below is touched on the worker thread only; the servicer talks to it through coroutines that
+await that thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import torch
+
+from tandem.config import DTYPES
+from tandem.models.config import ModelConfig
+from tandem.spec.base import Drafter
+from tandem.spec.build import DraftConfig, build_drafter
+from tandem.spec.drafter import ModelDrafter
+from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+_WARMUP_ID = "warmup"
+_WARMUP_SPEC = SpecConfig(num_steps=2, topk=2)  # a small tree: exercises top-k and scratch KV
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftInfo:
+    """What the loaded draft needs from the target (GetInfo)."""
+
+    kind: str
+    model_id: str  # draft checkpoint path; empty for ngram
+    target_model_id: str
+    vocab_size: int  # the draft's own vocabulary
+    target_vocab_size: int
+    target_layer_ids: tuple[int, ...]  # draft.proto convention: -1 = last hidden after norm
+    hidden_size: int  # the target's; feature_size = len(target_layer_ids) * hidden_size
+    hidden_dtype: torch.dtype
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.target_layer_ids) * self.hidden_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvUsage:
+    pages_used: int
+    pages_total: int
+    page_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    trees: dict[str, Tree]  # request id (the stream's) -> next tree
+    dropped: list[str]  # the stream's requests whose draft state was lost
+    kv_usage: KvUsage
+    draft_ns: int  # time inside Drafter.step (extend + draft: one call)
+
+
+class DraftEngine:
+    """Loads the drafter and serialises every call into it on one worker thread."""
+
+    def __init__(self, config: DraftConfig) -> None:
+        self.config = config
+        self.dtype = DTYPES[config.dtype]
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
+        self._drafter: Drafter | None = None
+        self.info: DraftInfo | None = None  # set once loaded and warmed up
+        self._tracked: dict[int, set[str]] = {}  # stream -> its request ids in the drafter
+        self._dropped: dict[int, list[str]] = {}  # stream -> dropped ids not yet reported
+        self._closed = False
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None
+
+    async def _run(self, fn: Callable[..., R], *args: object) -> R:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def load(self) -> DraftInfo:
+        """Builds the drafter and runs one warm-up step, on the worker thread."""
+        return await self._run(self._load)
+
+    async def step(
+        self,
+        stream: int,
+        admits: Sequence[DraftAdmit],
+        outcomes: Sequence[VerifyOutcome],
+        released: Sequence[str],
+    ) -> StepResult:
+        """One `Drafter.step` for ``stream``'s requests (ids as the stream names them)."""
+        return await self._run(self._step, stream, admits, outcomes, released)
+
+    def release_stream(self, stream: int) -> None:
+        """Frees every request of a finished stream. Queued, not awaited: it is called from
+        a servicer's ``finally`` that may be running because its task was cancelled."""
+        if self._closed:  # the server is stopping: the drafter goes away with it
+            return
+        self._executor.submit(self._release_stream, stream).add_done_callback(_log_failure)
+
+    async def num_tracked(self) -> int:
+        """Requests the drafter holds state for, all streams together (0 when idle)."""
+        return await self._run(lambda: self._drafter.num_tracked() if self._drafter else 0)
+
+    async def kv_usage(self) -> KvUsage:
+        return await self._run(self._kv_usage)
+
+    def close(self) -> None:
+        """Waits for the running step, then stops the worker thread."""
+        self._closed = True
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # -- on the worker thread --------------------------------------------------------------
+
+    def _load(self) -> DraftInfo:
+        started = time.perf_counter()
+        target = ModelConfig.from_pretrained(self.config.target)
+        drafter = build_drafter(self.config, target.num_layers)
+        vocab = target.vocab_size
+        if isinstance(drafter, ModelDrafter):
+            vocab = drafter.modules[0].vocab_size
+        info = DraftInfo(
+            kind=self.config.kind,
+            model_id="" if self.config.path is None else str(self.config.path),
+            target_model_id=str(self.config.target),
+            vocab_size=vocab,
+            target_vocab_size=target.vocab_size,
+            target_layer_ids=tuple(
+                -1 if i == target.num_layers else i for i in drafter.target_layer_ids
+            ),
+            hidden_size=target.hidden_size,
+            hidden_dtype=self.dtype,
+        )
+        self._drafter = drafter
+        self._warm_up(info)
+        logger.info(
+            "draft %s loaded in %.2f s: layers %s, feature size %d",
+            info.kind,
+            time.perf_counter() - started,
+            list(info.target_layer_ids),
+            info.feature_size,
+        )
+        self.info = info
+        return info
+
+    def _warm_up(self, info: DraftInfo) -> None:
+        """One admit + release through the real path (lazy inits, allocator, kernels)."""
+        assert self._drafter is not None
+        tokens = [i % info.target_vocab_size for i in range(8)]
+        features = None
+        if info.target_layer_ids:
+            features = torch.zeros(len(tokens) - 1, info.feature_size, dtype=self.dtype)
+        admit = DraftAdmit(
+            request_id=_WARMUP_ID, token_ids=tokens, features=features, spec=_WARMUP_SPEC
+        )
+        self._drafter.step([admit], [], [])
+        self._drafter.step([], [], [_WARMUP_ID])
+        self._drafter.take_dropped()
+        assert self._drafter.num_tracked() == 0, "warm-up left state behind"
+
+    def _step(
+        self,
+        stream: int,
+        admits: Sequence[DraftAdmit],
+        outcomes: Sequence[VerifyOutcome],
+        released: Sequence[str],
+    ) -> StepResult:
+        assert self._drafter is not None, "step before load"
+        prefix = f"{stream}/"
+        tracked = self._tracked.setdefault(stream, set())
+        tracked.difference_update(released)
+        tracked.update(a.request_id for a in admits)
+        started = time.perf_counter_ns()
+        trees = self._drafter.step(
+            [
+                replace(a, request_id=prefix + a.request_id, features=self._cast(a.features))
+                for a in admits
+            ],
+            [
+                replace(o, request_id=prefix + o.request_id, features=self._cast(o.features))
+                for o in outcomes
+            ],
+            [prefix + r for r in released],
+        )
+        draft_ns = time.perf_counter_ns() - started
+        self._route_dropped()
+        dropped = self._dropped.pop(stream, [])
+        tracked.difference_update(dropped)
+        return StepResult(
+            trees={k[len(prefix) :]: t for k, t in trees.items() if k.startswith(prefix)},
+            dropped=dropped,
+            kv_usage=self._kv_usage(),
+            draft_ns=draft_ns,
+        )
+
+    def _cast(self, features: torch.Tensor | None) -> torch.Tensor | None:
+        return None if features is None else features.to(self.dtype)
+
+    def _route_dropped(self) -> None:
+        assert self._drafter is not None
+        for key in self._drafter.take_dropped():
+            stream, sep, request_id = key.partition("/")
+            if sep and stream.isdigit():
+                self._dropped.setdefault(int(stream), []).append(request_id)
+
+    def _release_stream(self, stream: int) -> None:
+        ids = self._tracked.pop(stream, set())
+        self._dropped.pop(stream, None)
+        if ids and self._drafter is not None:
+            self._drafter.step([], [], [f"{stream}/{r}" for r in ids])
+            logger.info("stream %d closed: released %d requests", stream, len(ids))
+
+    def _kv_usage(self) -> KvUsage:
+        drafter = self._drafter
+        if not isinstance(drafter, ModelDrafter):
+            return KvUsage(pages_used=0, pages_total=0, page_size=self.config.page_size)
+        total = sum(kv.allocator.num_pages for kv in drafter.kvs)
+        free = sum(kv.allocator.num_free_pages for kv in drafter.kvs)
+        return KvUsage(pages_used=total - free, pages_total=total, page_size=self.config.page_size)
+
+
+def _log_failure(future: Future[None]) -> None:
+    exc = None if future.cancelled() else future.exception()
+    if exc is not None:
+        logger.error("draft engine task failed", exc_info=exc)

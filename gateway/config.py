@@ -1,0 +1,64 @@
+"""Gateway configuration (flags and ``TANDEM_GATEWAY_*`` environment variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.serving import parse_address
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig:
+    """Everything `python -m gateway` needs; validated on construction (ValueError names the
+    field)."""
+
+    target_addr: str  # HOST:PORT of the target service's Control stream
+    tokenizer: Path  # the target checkpoint directory (its tokenizer files)
+    host: str = "0.0.0.0"  # the public face: every interface by default
+    port: int = 50051  # 0 = any free port (logged)
+    max_running: int = 64  # requests admitted at the target at once
+    max_queue: int = 256  # requests waiting for admission; more -> RESOURCE_EXHAUSTED
+    reflection: bool = False
+    grace_s: float = 10.0  # SIGTERM: drain this long before exiting
+    log_level: str = "INFO"
+    max_stop_strings: int = 8
+    max_stop_string_chars: int = 256
+    retry_after_s: float = 1.0  # RetryInfo.retry_delay sent with RESOURCE_EXHAUSTED
+    target_timeout_s: float = 5.0  # unary calls to the target (GetInfo)
+    max_message_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        try:
+            _, target_port = parse_address(self.target_addr)
+        except ValueError:
+            raise ValueError(f"target_addr: expected HOST:PORT, got {self.target_addr!r}") from None
+        if target_port == 0:
+            raise ValueError("target_addr: port 0 is not a target's port")
+        if not Path(self.tokenizer).is_dir():
+            raise ValueError(f"tokenizer: {self.tokenizer} is not a directory")
+        object.__setattr__(self, "tokenizer", Path(self.tokenizer))
+        if not self.host:
+            raise ValueError("host: must not be empty")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: {self.port} is not a port number")
+        if self.max_running < 1:
+            raise ValueError(f"max_running: must be >= 1, got {self.max_running}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue: must be >= 0, got {self.max_queue}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")
+        if self.log_level.upper() not in _LOG_LEVELS:
+            raise ValueError(f"log_level: {self.log_level!r} is not one of {_LOG_LEVELS}")
+        if self.max_stop_strings < 0:
+            raise ValueError(f"max_stop_strings: must be >= 0, got {self.max_stop_strings}")
+        if self.max_stop_string_chars < 1:
+            raise ValueError("max_stop_string_chars: must be >= 1")
+        if self.retry_after_s <= 0:
+            raise ValueError(f"retry_after_s: must be > 0, got {self.retry_after_s}")
+        if self.target_timeout_s <= 0:
+            raise ValueError(f"target_timeout_s: must be > 0, got {self.target_timeout_s}")
+        if self.max_message_bytes < 1 << 20:
+            raise ValueError("max_message_bytes: must be at least 1 MiB")

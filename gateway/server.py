@@ -1,0 +1,399 @@
+"""The public `GatewayService`: a thin grpc.aio servicer over the target's control stream.
+
+`Generate` validates and tokenizes the request (`prepare`), takes an admission slot,
+admits the request at the target, and turns its commits into chunks (incremental text, stop
+strings matched here) and one completion. Everything that ends a request early goes back to the
+target as an `AbortCommand`: a matched stop string (finish STOP), an `Abort` call or a client
+that went away (finish ABORT), so the target frees the request's pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[import-untyped]
+from grpc_status import rpc_status
+from opentelemetry import propagate
+
+from gateway.admission import Admission, Overloaded, Withdrawn
+from gateway.config import GatewayConfig
+from gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
+from gateway.target_client import TargetClient, TargetUnavailable
+from tandem import __version__, wire
+from tandem.errors import InvalidRequest
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
+
+logger = logging.getLogger(__name__)
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
+_MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass(kw_only=True)
+class Job:
+    """One request at the gateway, from receipt to its last message."""
+
+    request_id: str  # the client's (or assigned) id
+    prompt_ids: list[int]
+    admit: target_pb2.AdmitCommand  # what the target gets (explicit sampling values)
+    stop_strings: tuple[str, ...]
+    stop_token_ids: frozenset[int]
+    detokenize: bool
+    skip_special_tokens: bool
+    continuous_usage: bool
+    received_ns: int
+    admitted_ns: int = 0
+    first_chunk_ns: int = 0
+    completion_ids: list[int] = field(default_factory=list)  # ids streamed to the client
+    admitted: bool = False  # sent to the target
+    aborting: bool = False  # an Abort call asked for it
+    finished: bool = False  # its last message is decided
+
+    @property
+    def target_id(self) -> str:
+        return self.admit.request_id
+
+
+def prepare(
+    request: gateway_pb2.GenerateRequest,
+    *,
+    tokenizer: Any,
+    info: target_pb2.TargetServiceGetInfoResponse,
+    config: GatewayConfig,
+    running: Collection[str],
+    received_ns: int,
+    seq: int,
+) -> Job:
+    """Validates and tokenizes a request; InvalidRequest names the offending field.
+
+    The id on the control stream is the client's id plus the gateway's sequence number, so a
+    client may reuse an id as soon as its request ended here, even while the target is still
+    finishing the old one (vLLM's abort test does exactly that)."""
+    if request.HasField("request_id"):
+        request_id = request.request_id
+        if not request_id or len(request_id) > _MAX_REQUEST_ID_CHARS:
+            raise InvalidRequest("request_id", f"must be 1..{_MAX_REQUEST_ID_CHARS} characters")
+        if request_id in running:
+            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+    else:
+        request_id = uuid.uuid4().hex
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise InvalidRequest("prompt", "set text or token_ids")
+    if which == "text":
+        if not request.text:
+            raise InvalidRequest("text", "must not be empty")
+        prompt_ids = [int(t) for t in tokenizer(request.text)["input_ids"]]
+    else:
+        prompt_ids = list(request.token_ids.ids)
+    if not prompt_ids:
+        raise InvalidRequest(which, "the prompt has no tokens")
+    if bad := [t for t in prompt_ids if t >= info.vocab_size]:
+        raise InvalidRequest(which, f"ids {bad[:4]} outside [0, {info.vocab_size})")
+    if (room := info.max_model_len - len(prompt_ids)) < 1:
+        raise InvalidRequest(which, f"{len(prompt_ids)} tokens fill the context of the model")
+    sampling = request.sampling
+    if sampling.HasField("max_new_tokens") and sampling.max_new_tokens > room:
+        raise InvalidRequest(
+            "sampling.max_new_tokens",
+            f"{sampling.max_new_tokens} new tokens after {len(prompt_ids)} prompt tokens "
+            f"exceed the {info.max_model_len}-token context",
+        )
+    params = wire.sampling_from_proto(sampling, default_max_new_tokens=room, field="sampling")
+    if bad := [t for t in params.stop_token_ids if t >= info.vocab_size]:
+        raise InvalidRequest("sampling.stop_token_ids", f"ids {bad[:4]} outside the vocabulary")
+    stop_strings = tuple(sampling.stop_strings)
+    if len(stop_strings) > config.max_stop_strings:
+        raise InvalidRequest("sampling.stop_strings", f"at most {config.max_stop_strings}")
+    if any(not s or len(s) > config.max_stop_string_chars for s in stop_strings):
+        raise InvalidRequest(
+            "sampling.stop_strings", f"each must be 1..{config.max_stop_string_chars} characters"
+        )
+    spec = request.speculation
+    if spec.draft_kind not in (common_pb2.DRAFT_KIND_UNSPECIFIED, info.draft_kind):
+        raise InvalidRequest("speculation.draft_kind", "is not the deployed draft kind")
+    # S, K and N preferences wait for the lane policy; topk=0 is honoured as an opt-out.
+    enabled = not (spec.HasField("enabled") and not spec.enabled)
+    enabled = enabled and not (spec.HasField("topk") and spec.topk == 0)
+    admit = target_pb2.AdmitCommand(
+        request_id=f"{request_id}#{seq}",
+        prompt_token_ids=prompt_ids,
+        sampling=wire.sampling_to_proto(params),
+        speculation=common_pb2.SpeculationParams(enabled=enabled, draft_kind=info.draft_kind),
+    )
+    admit.sampling.logprobs = sampling.logprobs
+    propagate.inject(admit.trace_context.carrier)
+    options = request.stream_options
+    return Job(
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        admit=admit,
+        stop_strings=stop_strings,
+        stop_token_ids=frozenset(params.stop_token_ids),
+        detokenize=not options.HasField("detokenize") or options.detokenize,
+        skip_special_tokens=options.skip_special_tokens,
+        continuous_usage=options.continuous_usage,
+        received_ns=received_ns,
+    )
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        tokenizer: Any,  # a transformers tokenizer
+        client: TargetClient,
+        admission: Admission,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.client = client
+        self.admission = admission
+        self.started_ns = time.monotonic_ns()
+        self._jobs: dict[str, Job] = {}  # queued or running, by request id
+        self._seq = itertools.count(1)
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        received_ns = time.monotonic_ns()
+        try:  # InvalidRequest goes to the error interceptor: INVALID_ARGUMENT + BadRequest
+            if self.client.info is None:
+                raise TargetUnavailable("the target has not connected yet")
+            job = prepare(
+                request,
+                tokenizer=self.tokenizer,
+                info=self.client.info,
+                config=self.config,
+                running=self._jobs.keys(),
+                received_ns=received_ns,
+                seq=next(self._seq),
+            )
+        except TargetUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self._jobs[job.request_id] = job
+        try:
+            async for response in self._run(job, context):
+                yield response
+        finally:
+            del self._jobs[job.request_id]
+            self.admission.release(job.request_id)
+            if job.admitted and not job.finished:
+                # The client went away (cancellation) or the servicer failed: free the target.
+                self.client.abort([job.target_id], common_pb2.FINISH_REASON_ABORT)
+            self.client.forget(job.target_id)
+
+    async def _run(
+        self, job: Job, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        try:
+            await self.admission.acquire(job.request_id)
+        except Overloaded as exc:
+            await self._overloaded(context, str(exc))
+        except Withdrawn:
+            job.finished = True
+            yield self._complete(job, common_pb2.FINISH_REASON_ABORT)
+            return
+        try:
+            stream = self.client.admit(job.admit)
+        except TargetUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        job.admitted = True
+        job.admitted_ns = time.monotonic_ns()
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, job.prompt_ids, skip_special_tokens=job.skip_special_tokens
+        )
+        stops = StopStringMatcher(job.stop_strings)
+        sent_any = False
+        while True:
+            try:
+                # After a stop string the target owes one final commit; do not wait forever.
+                timeout = None if stops.matched is None else self.config.target_timeout_s
+                commit = await asyncio.wait_for(stream.next(), timeout)
+            except (TimeoutError, TargetUnavailable) as exc:
+                job.finished = True
+                if stops.matched is not None:  # the outcome was decided before the failure
+                    yield self._complete(job, common_pb2.FINISH_REASON_STOP, None, stops.matched)
+                    return
+                commit = target_pb2.Commit(finish_reason=common_pb2.FINISH_REASON_ERROR)
+                commit.error.code, commit.error.message = code_pb2.UNAVAILABLE, str(exc)
+            if commit.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                job.finished = True
+                error = commit.error
+                code = _STATUS_CODES.get(error.code, grpc.StatusCode.INTERNAL)
+                logger.warning("request %s failed: %s %s", job.request_id, code.name, error.message)
+                if sent_any:  # a failure after the stream started: say so in the stream too
+                    yield gateway_pb2.GenerateResponse(
+                        request_id=job.request_id,
+                        error=gateway_pb2.GenerateError(
+                            code=error.code, message=error.message, field=error.field
+                        ),
+                    )
+                reason = f"{error.field}: {error.message}" if error.field else error.message
+                await context.abort(code, reason or "the target failed the request")
+            if stops.matched is None:
+                chunk = self._chunk(job, commit, detokenizer, stops)
+                if chunk is not None:
+                    sent_any = True
+                    yield chunk
+                if stops.matched is not None and commit.finish_reason == _UNSPECIFIED:
+                    self.client.abort([job.target_id], common_pb2.FINISH_REASON_STOP)
+            if commit.finish_reason != _UNSPECIFIED:
+                job.finished = True
+                yield self._complete(job, commit.finish_reason, commit, stops.matched)
+                return
+
+    def _chunk(
+        self,
+        job: Job,
+        commit: target_pb2.Commit,
+        detokenizer: IncrementalDetokenizer,
+        stops: StopStringMatcher,
+    ) -> gateway_pb2.GenerateResponse | None:
+        """The chunk for one commit's tokens; tokens after a matched stop string are dropped."""
+        token_ids = list(commit.token_ids)
+        if job.stop_strings:
+            # Token by token, so the chunk ends with the token that completed the match.
+            text = ""
+            for n, token_id in enumerate(token_ids, start=1):
+                text += stops.feed(detokenizer.add([token_id]))
+                if stops.matched is not None:
+                    token_ids = token_ids[:n]
+                    break
+        elif job.detokenize:
+            text = detokenizer.add(token_ids)
+        else:
+            text = ""
+        if commit.finish_reason != _UNSPECIFIED and stops.matched is None:
+            text += stops.feed(detokenizer.flush()) + stops.flush()
+        if not token_ids and not text:
+            return None
+        job.completion_ids.extend(token_ids)
+        if job.first_chunk_ns == 0:
+            job.first_chunk_ns = time.monotonic_ns()
+        chunk = gateway_pb2.GenerateChunk(
+            token_ids=token_ids,
+            text=text if job.detokenize else "",
+            logprobs=list(commit.logprobs)[: len(token_ids)],
+        )
+        if job.continuous_usage:
+            chunk.usage.prompt_tokens = len(job.prompt_ids)
+            chunk.usage.completion_tokens = len(job.completion_ids)
+        return gateway_pb2.GenerateResponse(request_id=job.request_id, chunk=chunk)
+
+    def _complete(
+        self,
+        job: Job,
+        finish_reason: common_pb2.FinishReason,
+        commit: target_pb2.Commit | None = None,
+        stop_string: str | None = None,
+    ) -> gateway_pb2.GenerateResponse:
+        now = time.monotonic_ns()
+        usage = common_pb2.Usage()  # the target's totals, with the counts the client received
+        if commit is not None and commit.HasField("usage"):
+            usage.CopyFrom(commit.usage)
+        usage.prompt_tokens, usage.completion_tokens = len(job.prompt_ids), len(job.completion_ids)
+        complete = gateway_pb2.GenerateComplete(
+            finish_reason=common_pb2.FINISH_REASON_STOP if stop_string else finish_reason,
+            usage=usage,
+            queue_ns=(job.admitted_ns or now) - job.received_ns,
+            ttft_ns=(job.first_chunk_ns - job.received_ns) if job.first_chunk_ns else 0,
+            total_ns=now - job.received_ns,
+        )
+        last = job.completion_ids[-1] if job.completion_ids else None
+        if stop_string is not None:
+            complete.stop_string = stop_string
+        elif finish_reason == common_pb2.FINISH_REASON_STOP and last in job.stop_token_ids:
+            complete.stop_token_id = last
+        reason = common_pb2.FinishReason.Name(complete.finish_reason)
+        logger.info("request %s: %s, %d tokens", job.request_id, reason, len(job.completion_ids))
+        return gateway_pb2.GenerateResponse(request_id=job.request_id, complete=complete)
+
+    async def _overloaded(self, context: grpc.aio.ServicerContext, message: str) -> None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromNanoseconds(int(self.config.retry_after_s * 1e9))
+        detail = any_pb2.Any()
+        detail.Pack(retry)
+        status = rpc_status.to_status(
+            status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message, details=[detail])
+        )
+        await context.abort(status.code, status.details, status.trailing_metadata)
+
+    async def Abort(
+        self, request: gateway_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.AbortResponse:
+        aborted: list[str] = []
+        for request_id in dict.fromkeys(request.request_ids):
+            job = self._jobs.get(request_id)
+            if job is None or job.finished or job.aborting:
+                continue
+            job.aborting = True
+            if not job.admitted:
+                self.admission.withdraw(request_id)
+            else:
+                self.client.abort([job.target_id], common_pb2.FINISH_REASON_ABORT)
+            aborted.append(request_id)
+        return gateway_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    async def GetModelInfo(
+        self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GetModelInfoResponse:
+        try:
+            info = await self.client.get_info()
+        except TargetUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        response = gateway_pb2.GetModelInfoResponse(
+            model_id=info.model_id,
+            tokenizer_id=str(self.config.tokenizer),
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            eos_token_ids=list(info.eos_token_ids),
+            draft_kind=info.draft_kind,
+        )
+        if self.tokenizer.bos_token_id is not None:
+            response.bos_token_id = self.tokenizer.bos_token_id
+        return response
+
+    async def GetServerInfo(
+        self, request: gateway_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GetServerInfoResponse:
+        status = self.client.status or target_pb2.TargetStatus()
+        info = self.client.info or target_pb2.TargetServiceGetInfoResponse()
+        speculation = common_pb2.SpeculationParams(
+            enabled=info.draft_kind != common_pb2.DRAFT_KIND_UNSPECIFIED, draft_kind=info.draft_kind
+        )
+        stats = self.client.last_stats
+        if stats is not None and stats.HasField("speculation"):
+            speculation.MergeFrom(stats.speculation)
+        # One lane until the lane policy exists (DESIGN.md section 5).
+        lane = gateway_pb2.LaneInfo(
+            lane_id=0,
+            num_requests=self.admission.num_running,
+            speculation=speculation,
+            accept_length=self.client.accept_length,
+        )
+        response = gateway_pb2.GetServerInfoResponse(
+            version=__version__,
+            speculation=speculation,
+            lanes=[lane],
+            draft_state=(
+                status.draft_state if self.client.connected else common_pb2.DRAFT_STATE_UNSPECIFIED
+            ),
+            target_kv_usage=status.kv_usage,
+            num_running=status.num_running,
+            num_waiting=status.num_waiting + self.admission.num_waiting,
+            uptime_ns=time.monotonic_ns() - self.started_ns,
+        )
+        if status.HasField("draft_kv_usage"):
+            response.draft_kv_usage.CopyFrom(status.draft_kv_usage)
+        return response

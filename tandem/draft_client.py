@@ -1,0 +1,482 @@
+"""``RemoteDrafter``: the `Drafter` interface over a ``Speculate`` stream to the draft service.
+
+The target's engine thread calls ``step()`` synchronously, exactly as it calls an in-process
+drafter. Underneath, a background thread runs an asyncio loop that owns the channel and the
+stream: ``step()`` sends one SpeculateRequest and waits for the response with the same
+step_id until ``deadline_s`` (DESIGN.md section 8):
+
+- late: ``step()`` returns {} (the engine decodes without speculation) and the answer is
+  discarded when it comes. The draft still applied that step's outcomes, so both sides stay in
+  step; while an answer is outstanding, further steps are sent without waiting (also {}), so a
+  slow draft costs one deadline, not one per step. ``max_backlog`` unanswered steps count as
+  a broken stream.
+- broken stream or unreachable draft: every request this client tracked is reported by
+  ``take_dropped()``, the state goes UNHEALTHY and a tenacity loop reconnects in the background
+  (exponential backoff with jitter, until ``close()``). Meanwhile ``step()`` returns {} at once
+  and reports the admits it gets as dropped. New admits speculate again once it is back.
+
+Prompt features travel as frames of at most 4 MiB; a request's admit goes out with its first
+frame, the rest follow in the lane's next messages when one message (the smaller of both sides'
+``max_message_bytes``) cannot hold them. Outcomes for a request whose admit has not gone out
+yet are merged into it (an admit of L tokens plus an outcome of k accepted tokens is the
+admit of L + k + 1 tokens).
+
+``target_layer_ids`` come from the draft's GetInfo on the first connection (draft.proto's -1,
+the last normed hidden, becomes ``num_target_layers`` in transformers' numbering; without
+``num_target_layers`` a draft that needs -1, as EAGLE-1 and MTP do, is refused). Until then
+they are empty and admits carry no features (the draft drops them), so wait for
+``wait_ready()`` before serving. The layers then stay fixed: a later connection whose draft
+needs other layers (or another hidden size) is refused and retried, leaving the state
+UNHEALTHY, rather than feeding it features it was not trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Coroutine, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+
+from tandem import wire
+from tandem.errors import InvalidRequest
+from tandem.serving import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from tandem.spec.base import Drafter
+from tandem.spec.types import DraftAdmit, Tree, VerifyOutcome
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+T = TypeVar("T")
+_SAFETY_S = 1.0  # beyond the deadline, the engine thread stops waiting even for a blocked send
+
+
+class DraftState(enum.IntEnum):
+    """The draft as this client sees it (values are tandem.v1.DraftState's)."""
+
+    CONNECTING = common_pb2.DRAFT_STATE_CONNECTING  # no stream established yet
+    HEALTHY = common_pb2.DRAFT_STATE_HEALTHY  # answering within its deadlines
+    UNHEALTHY = common_pb2.DRAFT_STATE_UNHEALTHY  # late, or gone and reconnecting
+
+
+class RemoteDrafter(Drafter):
+    """A Drafter whose trees come from a draft service at ``address`` (HOST:PORT)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        num_target_layers: int | None = None,
+        deadline_s: float = 0.5,
+        connect_timeout_s: float = 5.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        model_id: str = "",
+        lane_id: int = 0,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+        max_backlog: int = 8,
+    ) -> None:
+        if deadline_s <= 0 or connect_timeout_s <= 0:
+            raise ValueError("deadline_s/connect_timeout_s: must be > 0")
+        self.address = address
+        self.num_target_layers = num_target_layers
+        self.deadline_s = deadline_s  # per step; may be changed between steps
+        self.connect_timeout_s = connect_timeout_s
+        self.max_message_bytes = max_message_bytes
+        self.model_id = model_id
+        self.lane_id = lane_id
+        self.max_backlog = max_backlog
+        self._backoff = wait_exponential_jitter(
+            multiplier=backoff_initial_s, max=backoff_max_s, jitter=backoff_initial_s
+        )
+        # Counters, for metrics and tests.
+        self.late_steps = 0  # steps whose answer missed the deadline
+        self.late_responses = 0  # answers that came after their step gave up (discarded)
+        self.fallback_steps = 0  # steps that returned no trees: late, backlogged or down
+        self.connects = 0  # streams established
+        self.info: draft_pb2.DraftServiceGetInfoResponse | None = None
+        self.kv_usage = common_pb2.KvUsage()  # the draft's pool after its last answer
+        self._state = DraftState.CONNECTING
+        self._healthy = threading.Event()
+        self._dropped: list[str] = []
+        self._dropped_lock = threading.Lock()
+        self._closed = False
+        # Loop-thread state: the stream and what the draft tracks for this client.
+        self._channel: grpc.aio.Channel | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._connector: asyncio.Task[None] | None = None
+        self._write_lock = asyncio.Lock()  # one write at a time on the stream
+        self._tracked: dict[str, int] = {}  # request id -> committed tokens (draft's count)
+        # Prompts not fully sent, in admission order: an admit not sent yet, or the frames
+        # still to send of one that was.
+        self._outbox: dict[str, DraftAdmit | deque[common_pb2.TensorFrame]] = {}
+        self._waiters: dict[int, asyncio.Future[draft_pb2.SpeculateResponse | None] | None] = {}
+        self._next_step = 1
+        self._hidden_dtype = torch.float32
+        self._budget = self._frame_bytes = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="draft-client")
+        self._thread.daemon = True
+        self._thread.start()
+        self._loop.call_soon_threadsafe(self._reconnect)
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    @property
+    def state(self) -> DraftState:
+        return self._state
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Blocks until the stream is up (HEALTHY); False after ``timeout_s``."""
+        return self._healthy.wait(timeout_s)
+
+    def step(
+        self,
+        admits: Sequence[DraftAdmit],
+        outcomes: Sequence[VerifyOutcome],
+        released: Sequence[str],
+    ) -> dict[str, Tree]:
+        if self._closed:
+            raise RuntimeError("RemoteDrafter is closed")
+        deadline = time.monotonic() + self.deadline_s
+        future = self._submit(self._step(list(admits), list(outcomes), list(released), deadline))
+        try:
+            return future.result(timeout=self.deadline_s + _SAFETY_S)
+        except concurrent.futures.TimeoutError:
+            logger.warning("draft step still sending after its deadline; decoding without it")
+            return {}
+
+    def take_dropped(self) -> list[str]:
+        with self._dropped_lock:
+            dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def num_tracked(self) -> int:
+        return len(self._tracked)
+
+    def close(self) -> None:
+        """Ends the stream (the draft frees this client's requests) and stops the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._submit(self._shutdown()).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # -- loop thread: one step -------------------------------------------------------------
+
+    async def _step(
+        self,
+        admits: list[DraftAdmit],
+        outcomes: list[VerifyOutcome],
+        released: list[str],
+        deadline: float,
+    ) -> dict[str, Tree]:
+        response = await self._exchange(admits, outcomes, released, deadline)
+        if response is None:
+            self.fallback_steps += 1
+            return {}
+        return self._trees(response)
+
+    async def _exchange(
+        self,
+        admits: list[DraftAdmit],
+        outcomes: list[VerifyOutcome],
+        released: list[str],
+        deadline: float,
+    ) -> draft_pb2.SpeculateResponse | None:
+        """Sends one step; its response, or None (down, backlogged, late or broken)."""
+        call = self._call
+        if call is None:
+            self._report_dropped([a.request_id for a in admits])
+            return None
+        request = self._build_request(admits, outcomes, released)
+        if len(self._waiters) >= self.max_backlog:
+            self._broken(f"{len(self._waiters)} steps unanswered")
+            return None
+        waiter = None if self._waiters else self._loop.create_future()
+        self._waiters[request.step_id] = waiter
+        try:
+            async with self._write_lock:
+                await call.write(request)
+        except Exception as exc:
+            if call is self._call:
+                self._broken(f"send failed: {_describe(exc)}")
+            return None
+        if waiter is None:  # an earlier answer is still outstanding: don't queue behind it
+            return None
+        try:
+            return await asyncio.wait_for(waiter, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            self.late_steps += 1
+            self._set_state(DraftState.UNHEALTHY)
+            return None
+
+    def _build_request(
+        self, admits: list[DraftAdmit], outcomes: list[VerifyOutcome], released: list[str]
+    ) -> draft_pb2.SpeculateRequest:
+        request = draft_pb2.SpeculateRequest(
+            step_id=self._next_step,
+            lane_id=self.lane_id,
+            deadline_ns=int(self.deadline_s * 1e9),
+        )
+        self._next_step += 1
+        for request_id in released:
+            unsent = isinstance(self._outbox.pop(request_id, None), DraftAdmit)
+            if self._tracked.pop(request_id, None) is not None and not unsent:
+                request.released_request_ids.append(request_id)
+        for admit in admits:  # a re-admission starts over at the draft too
+            self._outbox.pop(admit.request_id, None)
+            self._outbox[admit.request_id] = admit
+            self._tracked[admit.request_id] = len(admit.token_ids)
+        for outcome in outcomes:
+            request_id = outcome.request_id
+            if request_id not in self._tracked:
+                continue  # dropped earlier; the engine stops sending it after take_dropped
+            self._tracked[request_id] += len(outcome.accepted_token_ids) + 1
+            queued = self._outbox.get(request_id)
+            if isinstance(queued, DraftAdmit):
+                self._outbox[request_id] = _merge(queued, outcome)
+                continue
+            request.outcomes.append(
+                wire.outcome_to_proto(
+                    replace(outcome, features=self._cast(outcome.features)),
+                    self._tracked[request_id],
+                    max_frame_bytes=self._frame_bytes,
+                )
+            )
+        self._add_prompts(request)
+        return request
+
+    def _add_prompts(self, request: draft_pb2.SpeculateRequest) -> None:
+        """Moves prompts from the outbox into the message while it has room, in order: an
+        admit leaves with its first frame; at least one item goes per message."""
+        size, empty = request.ByteSize(), True
+        while self._outbox:
+            request_id, entry = next(iter(self._outbox.items()))
+            must = False  # a just-admitted request's first frame goes with it
+            if isinstance(entry, DraftAdmit):
+                admit = replace(entry, features=self._cast(entry.features))
+                msg, prompt = wire.admit_to_proto(admit, self._frame_bytes)
+                entry = deque(prompt.frames if prompt is not None else ())
+                first = entry[0].ByteSize() + 16 if entry else 0
+                if not empty and size + msg.ByteSize() + first + 16 > self._budget:
+                    return
+                request.new_requests.append(msg)
+                size, empty, must = size + msg.ByteSize() + 16, False, True
+                self._outbox[request_id] = entry
+            part = draft_pb2.PromptFrames(request_id=request_id)
+            while entry and (must or empty or size + entry[0].ByteSize() + 16 <= self._budget):
+                part.frames.append(entry.popleft())
+                size, empty, must = size + part.frames[-1].ByteSize() + 16, False, False
+            if part.frames:
+                request.prompt_frames.append(part)
+            if entry:
+                return  # the rest follows in the lane's next message
+            del self._outbox[request_id]
+
+    def _trees(self, response: draft_pb2.SpeculateResponse) -> dict[str, Tree]:
+        trees: dict[str, Tree] = {}
+        for i, msg in enumerate(response.trees):
+            try:
+                request_id, tree = wire.tree_from_proto(msg, path=f"trees[{i}]")
+            except InvalidRequest as exc:
+                logger.warning("draft sent a malformed tree: %s", exc)
+                continue
+            if request_id in self._tracked:
+                trees[request_id] = tree
+        return trees
+
+    def _cast(self, features: torch.Tensor | None) -> torch.Tensor | None:
+        """Features in the dtype the draft asked for (bf16 halves the bytes on the wire)."""
+        return None if features is None else features.to(self._hidden_dtype)
+
+    # -- loop thread: the stream -----------------------------------------------------------
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        try:
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    raise ConnectionError("the draft ended the stream")
+                self._on_response(response)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if call is self._call:
+                self._broken(_describe(exc))
+
+    def _on_response(self, response: draft_pb2.SpeculateResponse) -> None:
+        dropped = list(response.dropped_request_ids)
+        for request_id in dropped:
+            self._tracked.pop(request_id, None)
+            self._outbox.pop(request_id, None)
+        self._report_dropped(dropped)
+        self.kv_usage = response.kv_usage
+        if response.step_id not in self._waiters:
+            logger.warning("draft answered unknown step %d", response.step_id)
+            return
+        waiter = self._waiters.pop(response.step_id)
+        if waiter is None or waiter.done():
+            self.late_responses += 1  # its step already gave up: discard the trees
+        else:
+            waiter.set_result(response)
+        if not self._waiters and self._state is DraftState.UNHEALTHY:
+            self._set_state(DraftState.HEALTHY)
+
+    def _broken(self, reason: str) -> None:
+        """Forgets the stream: every tracked request is dropped; reconnects in the background."""
+        logger.warning("draft stream to %s lost (%s); reconnecting", self.address, reason)
+        self._report_dropped(list(self._tracked))
+        self._tracked.clear()
+        self._outbox.clear()
+        for waiter in self._waiters.values():
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+        self._set_state(DraftState.UNHEALTHY)
+        self._loop.create_task(self._teardown(self._call, self._channel, self._reader))
+        self._call = self._channel = self._reader = None
+        self._reconnect()
+
+    def _reconnect(self) -> None:
+        if not self._closed:
+            self._connector = self._loop.create_task(self._connect_forever())
+
+    async def _connect_forever(self) -> None:
+        retrying = AsyncRetrying(
+            wait=self._backoff,
+            retry=retry_if_exception_type(Exception),
+            before_sleep=self._log_retry,
+        )
+        async for attempt in retrying:
+            with attempt:
+                await self._connect_once()
+
+    def _log_retry(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        level = logging.WARNING if state.attempt_number == 1 else logging.DEBUG
+        logger.log(level, "draft at %s: %s; retrying", self.address, _describe(exc))
+
+    async def _connect_once(self) -> None:
+        channel = grpc.aio.insecure_channel(
+            self.address, options=channel_options(self.max_message_bytes)
+        )
+        try:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            info = await stub.GetInfo(
+                draft_pb2.DraftServiceGetInfoRequest(), timeout=self.connect_timeout_s
+            )
+            layer_ids = self._check_info(info)
+            call = stub.Speculate()
+            hello = draft_pb2.SpeculateHello(
+                protocol_version=PROTOCOL_VERSION,
+                tensor_transports=[draft_pb2.TENSOR_TRANSPORT_INLINE],
+                max_message_bytes=self.max_message_bytes,
+                model_id=self.model_id,
+            )
+            await call.write(draft_pb2.SpeculateRequest(hello=hello, lane_id=self.lane_id))
+            first = await asyncio.wait_for(call.read(), self.connect_timeout_s)
+            if first is grpc.aio.EOF or first.hello.protocol_version != PROTOCOL_VERSION:
+                raise ConnectionError(f"the draft's hello is missing or unsupported: {first}")
+        except BaseException:
+            await channel.close()
+            raise
+        self.info = info
+        self.target_layer_ids = layer_ids
+        self._hidden_dtype = wire.torch_dtype(info.hidden_dtype) if layer_ids else torch.float32
+        peer_max = min(
+            first.hello.max_message_bytes or self.max_message_bytes, self.max_message_bytes
+        )
+        self._budget = peer_max - max(1024, peer_max // 16)
+        self._frame_bytes = min(wire.MAX_FRAME_BYTES, peer_max // 4)
+        self._channel, self._call = channel, call
+        self._reader = self._loop.create_task(self._read(call))
+        self.connects += 1
+        self._set_state(DraftState.HEALTHY)
+        logger.info("draft stream to %s up (%s)", self.address, info.model_id or "ngram")
+
+    def _check_info(self, info: draft_pb2.DraftServiceGetInfoResponse) -> tuple[int, ...]:
+        last = self.num_target_layers
+        if last is None and -1 in info.target_layer_ids:
+            raise ValueError("the draft needs the last hidden (-1): pass num_target_layers")
+        layer_ids = tuple(
+            last if i == -1 and last is not None else i for i in info.target_layer_ids
+        )
+        if any(i < 0 or (last is not None and i > last) for i in layer_ids):
+            raise ValueError(f"draft asks for target layers {list(layer_ids)}; target has {last}")
+        if self.info is not None and (
+            layer_ids != self.target_layer_ids or info.hidden_size != self.info.hidden_size
+        ):
+            raise ConnectionError(
+                f"draft now needs layers {list(layer_ids)} x {info.hidden_size}; the engine "
+                f"captures {list(self.target_layer_ids)} x {self.info.hidden_size}"
+            )
+        return layer_ids
+
+    async def _teardown(
+        self,
+        call: grpc.aio.StreamStreamCall | None,
+        channel: grpc.aio.Channel | None,
+        reader: asyncio.Task[None] | None,
+    ) -> None:
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+        if call is not None:
+            call.cancel()
+        if channel is not None:
+            await channel.close()
+
+    async def _shutdown(self) -> None:
+        tasks = [t for t in (self._connector, self._reader) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await self._teardown(self._call, self._channel, None)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._call = self._channel = self._reader = None
+        self._healthy.clear()
+
+    def _set_state(self, state: DraftState) -> None:
+        if state is not self._state:
+            logger.info("draft state %s -> %s", self._state.name, state.name)
+        self._state = state
+        if state is DraftState.HEALTHY:
+            self._healthy.set()
+        else:
+            self._healthy.clear()
+
+    def _report_dropped(self, request_ids: list[str]) -> None:
+        if request_ids:
+            with self._dropped_lock:
+                self._dropped.extend(request_ids)
+
+
+def _merge(admit: DraftAdmit, outcome: VerifyOutcome) -> DraftAdmit:
+    """The admit of the tokens after ``outcome`` (features [len(token_ids) - 1, F])."""
+    features = admit.features
+    if features is not None and outcome.features is not None:
+        features = torch.cat([features, outcome.features.to(features.dtype)])
+    tokens = [*admit.token_ids, *outcome.accepted_token_ids, outcome.bonus_token_id]
+    return replace(admit, token_ids=tokens, features=features)
+
+
+def _describe(exc: BaseException | None) -> str:
+    """One line for a log: gRPC errors as CODE: details."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return repr(exc)

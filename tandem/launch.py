@@ -1,0 +1,158 @@
+"""``tandem serve``: the three services as three local processes, started in dependency order
+(draft, target, gateway), each awaited until its gRPC health says SERVING; Ctrl-C or SIGTERM
+stops all three (SIGTERM first, so each drains; SIGKILL after the grace period)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass
+class Service:
+    name: str
+    module: str
+    args: list[str]
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+
+@dataclass
+class Stack:
+    services: list[Service] = field(default_factory=list)
+
+    def start(
+        self,
+        *,
+        ready_timeout_s: float = 300.0,
+        log_dir: Path | None = None,
+        on_ready: Callable[[Service], None] | None = None,
+    ) -> None:
+        for svc in self.services:
+            out = None
+            if log_dir is not None:
+                log_dir.mkdir(parents=True, exist_ok=True)
+                svc.log = log_dir / f"{svc.name}.log"
+                out = open(svc.log, "wb")  # noqa: SIM115 (lives as long as the process)
+            svc.proc = subprocess.Popen(
+                [sys.executable, "-m", svc.module, *svc.args],
+                stdout=out,
+                stderr=subprocess.STDOUT if out is not None else None,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+            wait_serving(svc, ready_timeout_s)
+            if on_ready is not None:
+                on_ready(svc)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for svc in reversed(self.services):  # gateway first: clients drain before the target
+            if svc.proc is not None and svc.proc.poll() is None:
+                svc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for svc in self.services:
+            if svc.proc is None:
+                continue
+            try:
+                svc.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                svc.proc.kill()
+                svc.proc.wait()
+
+    def dead(self) -> list[Service]:
+        return [s for s in self.services if s.proc is not None and s.proc.poll() is not None]
+
+
+def wait_serving(svc: Service, timeout_s: float) -> None:
+    """Polls the service's health until SERVING; fails early if the process exits."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            assert svc.proc is not None
+            if svc.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{svc.name} exited with {svc.proc.returncode} before it was ready"
+                    + (f" (log: {svc.log})" if svc.log else "")
+                )
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{svc.name} was not SERVING on port {svc.port} after {timeout_s:.0f} s")
+
+
+def build_stack(
+    *,
+    target: Path,
+    draft: Path | None,
+    draft_kind: str | None,
+    mtp_mode: str,
+    spec_args: Sequence[str],
+    page_size: int,
+    device: str,
+    dtype: str,
+    gateway_port: int,
+    target_port: int,
+    draft_port: int,
+    draft_deadline_s: float = 1.0,
+    extra_target_args: Sequence[str] = (),
+) -> Stack:
+    common = ["--device", device, "--dtype", dtype, "--page-size", str(page_size)]
+    services = []
+    speculate = draft is not None or draft_kind is not None
+    if speculate:
+        kind = draft_kind or "eagle3"
+        draft_args = ["--target", str(target), "--draft-kind", kind, "--mtp-mode", mtp_mode]
+        if draft is not None:
+            draft_args += ["--draft", str(draft)]
+        services.append(
+            Service(
+                "draft",
+                "draft_service",
+                [*draft_args, *common, "--port", str(draft_port)],
+                draft_port,
+            )
+        )
+    target_args = ["--target", str(target), *common, "--port", str(target_port)]
+    if speculate:
+        target_args += [
+            "--draft-addr",
+            f"127.0.0.1:{draft_port}",
+            "--draft-kind",
+            draft_kind or "eagle3",
+            "--draft-deadline",
+            str(draft_deadline_s),
+            *spec_args,
+        ]
+    services.append(
+        Service("target", "target_service", [*target_args, *extra_target_args], target_port)
+    )
+    services.append(
+        Service(
+            "gateway",
+            "gateway",
+            [
+                "--target-addr",
+                f"127.0.0.1:{target_port}",
+                "--tokenizer",
+                str(target),
+                "--port",
+                str(gateway_port),
+            ],
+            gateway_port,
+        )
+    )
+    return Stack(services)

@@ -1,0 +1,171 @@
+"""``python -m target_service``: load the target, connect to the draft, serve the gateway.
+
+Every flag has a ``TANDEM_TARGET_<FLAG>`` environment default (e.g. TANDEM_TARGET_PORT).
+Health is NOT_SERVING until the model is loaded and a warm-up step ran; SIGTERM drains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from tandem import __version__, serving
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.sampling import SamplingParams
+from tandem.spec.build import DRAFT_KINDS
+from tandem.spec.types import SpecConfig
+from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.config import TargetServiceConfig
+from target_service.engine import TargetLoop
+from target_service.server import TargetServicer
+
+logger = logging.getLogger("target_service")
+
+_KINDS = {
+    "eagle3": common_pb2.DRAFT_KIND_EAGLE3,
+    "eagle": common_pb2.DRAFT_KIND_EAGLE,
+    "mtp": common_pb2.DRAFT_KIND_MTP,
+    "model": common_pb2.DRAFT_KIND_MODEL,
+    "ngram": common_pb2.DRAFT_KIND_NGRAM,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> TargetServiceConfig:
+    env = serving.env_default
+    p = argparse.ArgumentParser(prog="python -m target_service", description=__doc__)
+    p.add_argument("--target", type=Path, default=env("TANDEM_TARGET_TARGET", None))
+    p.add_argument("--host", default=env("TANDEM_TARGET_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("TANDEM_TARGET_PORT", "0")))
+    p.add_argument("--draft-addr", default=env("TANDEM_TARGET_DRAFT_ADDR", None))
+    p.add_argument(
+        "--draft-kind", choices=DRAFT_KINDS, default=env("TANDEM_TARGET_DRAFT_KIND", None)
+    )
+    p.add_argument("--spec-steps", type=int, default=int(env("TANDEM_TARGET_SPEC_STEPS", "3")))
+    p.add_argument("--spec-topk", type=int, default=int(env("TANDEM_TARGET_SPEC_TOPK", "1")))
+    p.add_argument("--spec-tokens", type=int, default=env("TANDEM_TARGET_SPEC_TOKENS", None))
+    p.add_argument(
+        "--draft-deadline", type=float, default=float(env("TANDEM_TARGET_DRAFT_DEADLINE", "0.5"))
+    )
+    p.add_argument("--page-size", type=int, default=int(env("TANDEM_TARGET_PAGE_SIZE", "16")))
+    p.add_argument("--num-pages", type=int, default=env("TANDEM_TARGET_NUM_PAGES", None))
+    p.add_argument("--max-num-seqs", type=int, default=int(env("TANDEM_TARGET_MAX_NUM_SEQS", "64")))
+    p.add_argument("--device", default=env("TANDEM_TARGET_DEVICE", "cpu"))
+    p.add_argument("--dtype", default=env("TANDEM_TARGET_DTYPE", "float32"))
+    p.add_argument("--reflection", action="store_true")
+    p.add_argument("--grace", type=float, default=float(env("TANDEM_TARGET_GRACE", "10")))
+    p.add_argument("--log-level", default=env("TANDEM_LOG_LEVEL", "INFO"))
+    a = p.parse_args(argv)
+    if a.target is None:
+        p.error("--target (or TANDEM_TARGET_TARGET) is required")
+    serving.configure_logging(a.log_level)
+    spec = None
+    if a.draft_addr:
+        tokens = None if a.spec_tokens is None else int(a.spec_tokens)
+        spec = SpecConfig(num_steps=a.spec_steps, topk=a.spec_topk, num_draft_tokens=tokens)
+    return TargetServiceConfig(
+        engine=EngineConfig(
+            model=Path(a.target),
+            page_size=a.page_size,
+            num_pages=None if a.num_pages is None else int(a.num_pages),
+            max_num_seqs=a.max_num_seqs,
+            device=a.device,
+            dtype=a.dtype,
+        ),
+        host=a.host,
+        port=a.port,
+        draft_addr=a.draft_addr or None,
+        draft_kind=a.draft_kind,
+        spec=spec,
+        draft_deadline_s=a.draft_deadline,
+        reflection=a.reflection,
+        grace_s=a.grace,
+    )
+
+
+async def main(config: TargetServiceConfig) -> None:
+    server = serving.make_server(max_message_bytes=config.max_message_bytes)
+    health = serving.add_health(server)
+    drafter = None
+    if config.draft_addr is not None:
+        from tandem.draft_client import RemoteDrafter
+        from tandem.models.config import ModelConfig
+
+        layers = ModelConfig.from_pretrained(config.model_dir).num_layers
+        drafter = RemoteDrafter(
+            config.draft_addr, num_target_layers=layers, deadline_s=config.draft_deadline_s
+        )
+    engine = await asyncio.to_thread(Engine, config.engine, drafter=drafter, spec=config.spec)
+    loop = TargetLoop(
+        engine,
+        status=lambda: status(engine, drafter),
+        status_interval_s=config.status_interval_s,
+    )
+    info = get_info(engine, config)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(loop, info), server)
+    serving.maybe_add_reflection(
+        server,
+        [target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name],
+        config.reflection,
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    await asyncio.to_thread(warm_up, engine)
+    loop.start()
+    await health.set("", serving.SERVING)
+    await health.set("tandem.v1.TargetService", serving.SERVING)
+    logger.info("target service ready on %s:%d", config.host, port)
+    print(f"READY target {config.host}:{port}", flush=True)
+
+    def shutdown() -> None:
+        loop.stop()
+        if drafter is not None:
+            drafter.close()
+
+    await serving.serve(server, health, grace=config.grace_s, on_shutdown=shutdown)
+
+
+def warm_up(engine: Engine) -> None:
+    """One tiny generation so the first real request does not pay for lazy initialisation."""
+    engine.generate([[0]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+
+
+def status(engine: Engine, drafter: object) -> target_pb2.TargetStatus:
+    alloc = engine.kv.allocator
+    out = target_pb2.TargetStatus(
+        num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting)
+    )
+    out.kv_usage.pages_total = alloc.num_pages
+    out.kv_usage.pages_used = alloc.num_pages - alloc.num_free_pages
+    out.kv_usage.page_size = alloc.page_size
+    state = getattr(drafter, "state", None)
+    if state is not None:
+        out.draft_state = int(state)  # type: ignore[assignment]
+    else:
+        out.draft_state = common_pb2.DRAFT_STATE_DISABLED
+    return out
+
+
+def get_info(
+    engine: Engine, config: TargetServiceConfig
+) -> target_pb2.TargetServiceGetInfoResponse:
+    mc = engine.model.config
+    info = target_pb2.TargetServiceGetInfoResponse(
+        model_id=str(config.model_dir),
+        vocab_size=mc.vocab_size,
+        max_model_len=engine.max_model_len,
+        num_layers=mc.num_layers,
+        hidden_size=mc.hidden_size,
+        eos_token_ids=list(mc.eos_token_ids),
+        max_batch_size=config.engine.max_num_seqs,
+        version=__version__,
+    )
+    if config.draft_kind is not None:
+        info.draft_kind = _KINDS[config.draft_kind]
+    return info
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))

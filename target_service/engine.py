@@ -1,0 +1,254 @@
+"""The target's step loop on its own thread: commands in, commits out.
+
+The servicer never touches the engine: it queues admits and aborts, and the loop applies them
+between steps, runs ``Engine.step()`` (schedule, target forward, verify, commit, draft) and
+hands each step's commits to the stream that admitted the request. Nothing here runs inside the
+event loop, so health checks and streams stay responsive while the model works.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from tandem import wire
+from tandem.engine import Engine
+from tandem.errors import InvalidRequest, NotFound, TandemError
+from tandem.request import FinishReason, RequestOutput
+from tandem.sampling import SamplingParams
+from tandem.v1 import common_pb2, target_pb2
+
+logger = logging.getLogger(__name__)
+
+# A stream's sink: called on the engine thread with each message for that stream.
+Sink = Callable[[target_pb2.ControlResponse], None]
+
+
+@dataclass(frozen=True)
+class Admit:
+    stream_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    speculate: bool
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_ids: list[str]
+    reason: FinishReason = FinishReason.ABORT
+
+
+@dataclass(frozen=True)
+class Detach:
+    """A gateway stream ended: abort what it admitted, forget its sink."""
+
+    stream_id: int
+
+
+@dataclass
+class _Streams:
+    sinks: dict[int, Sink] = field(default_factory=dict)
+    owner: dict[str, int] = field(default_factory=dict)  # request id -> stream id
+
+
+class TargetLoop:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        status: Callable[[], target_pb2.TargetStatus],
+        status_interval_s: float = 0.25,
+    ) -> None:
+        self.engine = engine
+        self._status = status
+        self._status_interval_s = status_interval_s
+        self._inbox: queue.Queue[Admit | Abort | Detach] = queue.Queue()
+        self._streams = _Streams()
+        self._lock = threading.Lock()  # guards _streams.sinks (servicer adds, loop reads)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="target-engine", daemon=True)
+        self._step_id = 0
+        self._last_status = 0.0
+
+    # -- called from the event loop ----------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def attach(self, stream_id: int, sink: Sink) -> None:
+        with self._lock:
+            self._streams.sinks[stream_id] = sink
+        self._last_status = 0.0  # a new stream gets a status right away
+
+    def submit(self, command: Admit | Abort | Detach) -> None:
+        self._inbox.put(command)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(Abort([]))  # wake the loop
+        self._thread.join(timeout)
+
+    # -- the engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                self._step()
+            self._maybe_status()
+
+    def _drain(self, *, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=self._status_interval_s) if block else None
+        except queue.Empty:
+            return
+        while True:
+            if command is not None:
+                self._apply(command)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: Admit | Abort | Detach) -> None:
+        if isinstance(command, Admit):
+            if command.request_id in self._streams.owner:
+                error = InvalidRequest("request_id", f"{command.request_id!r} is already running")
+                self._refuse(command.stream_id, command.request_id, error)
+                return
+            try:
+                self.engine.add_request(
+                    command.prompt_ids,
+                    command.params,
+                    command.request_id,
+                    speculate=command.speculate,
+                )
+            except TandemError as exc:
+                self._refuse(command.stream_id, command.request_id, exc)
+                return
+            self._streams.owner[command.request_id] = command.stream_id
+        elif isinstance(command, Abort):
+            for request_id in command.request_ids:
+                self._abort(request_id, command.reason)
+        else:
+            owned = [r for r, s in self._streams.owner.items() if s == command.stream_id]
+            for request_id in owned:
+                self._abort(request_id, FinishReason.ABORT)
+            with self._lock:
+                self._streams.sinks.pop(command.stream_id, None)
+
+    def _abort(self, request_id: str, reason: FinishReason) -> None:
+        try:
+            self.engine.abort(request_id)
+        except NotFound:
+            return  # already finished: its last commit is on its way
+        result = self.engine.pop_finished(request_id)
+        commit = target_pb2.Commit(
+            request_id=request_id,
+            finish_reason=wire.finish_reason_to_proto(reason),
+            usage=wire.usage_to_proto(result.stats, len(result.prompt_ids), len(result.token_ids)),
+        )
+        self._send([commit])
+
+    def _refuse(self, stream_id: int, request_id: str, exc: TandemError) -> None:
+        code = grpc.StatusCode.INVALID_ARGUMENT
+        if not isinstance(exc, InvalidRequest):
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+        error = common_pb2.ErrorStatus(
+            code=code.value[0], message=str(exc), field=getattr(exc, "field", "")
+        )
+        commit = target_pb2.Commit(
+            request_id=request_id,
+            finish_reason=common_pb2.FINISH_REASON_ERROR,
+            error=error,
+        )
+        with self._lock:
+            sink = self._streams.sinks.get(stream_id)
+        if sink is not None:
+            report = target_pb2.StepReport(step_id=self._step_id, commits=[commit])
+            sink(target_pb2.ControlResponse(step=report))
+
+    def _step(self) -> None:
+        start = time.perf_counter_ns()
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            # A bug, not a bad request: fail what is running rather than hang it.
+            logger.exception("engine step failed; failing the running requests")
+            self._fail_all()
+            return
+        self._step_id += 1
+        self._send([self._commit(o) for o in outputs], step_ns=time.perf_counter_ns() - start)
+
+    def _commit(self, output: RequestOutput) -> target_pb2.Commit:
+        commit = target_pb2.Commit(
+            request_id=output.request_id,
+            token_ids=output.new_token_ids,
+            logprobs=output.new_logprobs,
+        )
+        if output.finished:
+            result = self.engine.pop_finished(output.request_id)
+            commit.finish_reason = wire.finish_reason_to_proto(result.finish_reason)
+            commit.usage.CopyFrom(
+                wire.usage_to_proto(result.stats, len(result.prompt_ids), len(result.token_ids))
+            )
+        return commit
+
+    def _fail_all(self) -> None:
+        scheduler = self.engine.scheduler
+        ids = [r.request_id for r in (*scheduler.running, *scheduler.waiting)]
+        commits = []
+        for request_id in ids:
+            try:
+                self.engine.abort(request_id)
+                self.engine.pop_finished(request_id)
+            except (NotFound, KeyError):
+                pass
+            commits.append(
+                target_pb2.Commit(
+                    request_id=request_id,
+                    finish_reason=common_pb2.FINISH_REASON_ERROR,
+                    error=common_pb2.ErrorStatus(
+                        code=grpc.StatusCode.INTERNAL.value[0], message="target step failed"
+                    ),
+                )
+            )
+        self._send(commits)
+
+    def _send(self, commits: list[target_pb2.Commit], step_ns: int = 0) -> None:
+        """Groups commits by the stream that admitted each request; finished ones are forgotten."""
+        by_stream: dict[int, list[target_pb2.Commit]] = {}
+        for commit in commits:
+            stream_id = self._streams.owner.get(commit.request_id)
+            if stream_id is None:
+                continue
+            by_stream.setdefault(stream_id, []).append(commit)
+            if commit.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                del self._streams.owner[commit.request_id]
+        with self._lock:
+            sinks = dict(self._streams.sinks)
+        for stream_id, group in by_stream.items():
+            sink = sinks.get(stream_id)
+            if sink is None:
+                continue
+            report = target_pb2.StepReport(step_id=self._step_id, commits=group)
+            report.stats.step_ns = step_ns
+            sink(target_pb2.ControlResponse(step=report))
+
+    def _maybe_status(self) -> None:
+        now = time.monotonic()
+        if now - self._last_status < self._status_interval_s:
+            return
+        self._last_status = now
+        message = target_pb2.ControlResponse(status=self._status())
+        with self._lock:
+            sinks = list(self._streams.sinks.values())
+        for sink in sinks:
+            sink(message)

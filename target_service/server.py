@@ -1,0 +1,93 @@
+"""Thin grpc.aio servicer of the target: proto <-> domain, nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tandem import wire
+from tandem.errors import InvalidRequest
+from tandem.request import FinishReason
+from tandem.v1 import target_pb2, target_pb2_grpc
+from target_service.engine import Abort, Admit, Detach, TargetLoop
+
+logger = logging.getLogger(__name__)
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, loop: TargetLoop, info: target_pb2.TargetServiceGetInfoResponse) -> None:
+        self.loop = loop
+        self.info = info
+        self._ids = itertools.count(1)
+        self._default_max_new = info.max_model_len
+
+    async def Control(
+        self,
+        request_iterator: AsyncIterator[target_pb2.ControlRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[target_pb2.ControlResponse]:
+        stream_id = next(self._ids)
+        outbox: asyncio.Queue[target_pb2.ControlResponse] = asyncio.Queue()
+        event_loop = asyncio.get_running_loop()
+
+        def sink(message: target_pb2.ControlResponse) -> None:
+            event_loop.call_soon_threadsafe(outbox.put_nowait, message)
+
+        self.loop.attach(stream_id, sink)
+        reader = asyncio.create_task(self._read(stream_id, request_iterator))
+        logger.info("gateway stream %d attached", stream_id)
+        try:
+            while True:
+                get = asyncio.create_task(outbox.get())
+                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    yield get.result()
+                    continue
+                get.cancel()
+                reader.result()  # re-raise a reader error
+                return  # the gateway closed its side
+        finally:
+            reader.cancel()
+            self.loop.submit(Detach(stream_id))
+            logger.info("gateway stream %d detached", stream_id)
+
+    async def _read(
+        self, stream_id: int, requests: AsyncIterator[target_pb2.ControlRequest]
+    ) -> None:
+        async for request in requests:
+            which = request.WhichOneof("command")
+            if which == "admit":
+                self.loop.submit(self._admit(stream_id, request.admit))
+            elif which == "abort":
+                reason = wire.finish_reason_from_proto(request.abort.finish_reason)
+                self.loop.submit(
+                    Abort(list(request.abort.request_ids), reason or FinishReason.ABORT)
+                )
+            else:
+                logger.debug("ignoring control command %s (not implemented yet)", which)
+
+    def _admit(self, stream_id: int, admit: target_pb2.AdmitCommand) -> Admit:
+        if not admit.request_id:
+            raise InvalidRequest("admit.request_id", "must not be empty")
+        params = wire.sampling_from_proto(
+            admit.sampling, default_max_new_tokens=self._default_max_new, field="admit.sampling"
+        )
+        speculate = not (admit.speculation.HasField("enabled") and not admit.speculation.enabled)
+        return Admit(
+            stream_id=stream_id,
+            request_id=admit.request_id,
+            prompt_ids=list(admit.prompt_token_ids),
+            params=params,
+            speculate=speculate,
+        )
+
+    async def GetInfo(
+        self,
+        request: target_pb2.TargetServiceGetInfoRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> target_pb2.TargetServiceGetInfoResponse:
+        return self.info

@@ -1,0 +1,181 @@
+"""The three services as real processes on loopback: greedy parity through the gateway with
+concurrent streams, and a draft killed mid-run costing nothing but speed."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.launch import Service, Stack, build_stack, wait_serving
+from tandem.random_drafts import make_eagle3_checkpoint
+from tandem.random_model import make_checkpoint
+from tandem.sampling import SamplingParams
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 24
+STREAMS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("e2e")
+    target = make_checkpoint(root / "target", "llama", seed=12, num_hidden_layers=4)
+    eagle3 = make_eagle3_checkpoint(root / "eagle3", target, draft_vocab_size=1024, seed=2)
+    return {"target": target, "eagle3": eagle3}
+
+
+def prompts() -> list[list[int]]:
+    return [[(37 * i + 11 * j) % 5000 + 4 for j in range(1 + 3 * i)] for i in range(STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def reference(ckpts: dict[str, Path]) -> list[list[int]]:
+    engine = Engine(EngineConfig(model=ckpts["target"]))
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    return [r.token_ids for r in engine.generate(prompts(), params)]
+
+
+def start(ckpts: dict[str, Path], tmp: Path, draft: str, *spec: str) -> Stack:
+    path = ckpts["target"] if draft == "model" else ckpts[draft]
+    stack = build_stack(
+        target=ckpts["target"],
+        draft=path,
+        draft_kind=draft,
+        mtp_mode="chain",
+        spec_args=list(spec),
+        page_size=16,
+        device="cpu",
+        dtype="float32",
+        gateway_port=free_port(),
+        target_port=free_port(),
+        draft_port=free_port(),
+        # Generous: three processes share two CPU cores here; a late draft only costs speed,
+        # but these tests count drafted tokens.
+        draft_deadline_s=10.0,
+    )
+    stack.start(log_dir=tmp / "logs")
+    return stack
+
+
+async def generate(port: int, prompt_ids: list[list[int]]) -> list[dict[str, Any]]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+
+        async def one(ids: list[int]) -> dict[str, Any]:
+            request = gateway_pb2.GenerateRequest(
+                token_ids=gateway_pb2.TokenIds(ids=ids),
+                sampling=common_pb2.SamplingParams(
+                    temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True
+                ),
+            )
+            tokens: list[int] = []
+            done: Any = None
+            async for response in stub.Generate(request):
+                if response.WhichOneof("payload") == "chunk":
+                    tokens += response.chunk.token_ids
+                elif response.WhichOneof("payload") == "complete":
+                    done = response.complete
+            return {"tokens": tokens, "complete": done}
+
+        return list(await asyncio.gather(*(one(p) for p in prompt_ids)))
+
+
+async def server_info(port: int) -> gateway_pb2.GetServerInfoResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        return await stub.GetServerInfo(gateway_pb2.GetServerInfoRequest())
+
+
+@pytest.mark.parametrize(
+    ("draft", "spec"),
+    [
+        ("eagle3", ("--spec-steps", "3")),
+        ("eagle3", ("--spec-steps", "3", "--spec-topk", "4", "--spec-tokens", "8")),
+        ("model", ("--spec-steps", "4")),
+        ("model", ("--spec-steps", "3", "--spec-topk", "2", "--spec-tokens", "6")),
+    ],
+    ids=["eagle3-chain", "eagle3-tree", "model-chain", "model-tree"],
+)
+def test_greedy_through_the_gateway_equals_target_only(
+    ckpts: dict[str, Path],
+    reference: list[list[int]],
+    tmp_path: Path,
+    draft: str,
+    spec: tuple[str, ...],
+) -> None:
+    stack = start(ckpts, tmp_path, draft, *spec)
+    try:
+        gateway = stack.services[-1].port
+        results = asyncio.run(generate(gateway, prompts()))
+        assert [r["tokens"] for r in results] == reference
+        for r in results:
+            usage = r["complete"].usage
+            assert usage.completion_tokens == NEW_TOKENS and usage.verify_steps > 0
+            assert usage.draft_tokens > 0
+        if draft == "model":  # the target as its own draft: drafts are accepted
+            assert all(r["complete"].usage.accepted_tokens > 0 for r in results)
+    finally:
+        stack.stop()
+
+
+def test_killing_the_draft_loses_nothing(
+    ckpts: dict[str, Path], reference: list[list[int]], tmp_path: Path
+) -> None:
+    stack = start(ckpts, tmp_path, "model", "--spec-steps", "3")
+    draft, gateway = stack.services[0], stack.services[-1].port
+    try:
+
+        async def scenario() -> tuple[list[dict[str, Any]], Any]:
+            run = asyncio.create_task(generate(gateway, prompts()))
+            await asyncio.sleep(0.5)
+            assert draft.proc is not None
+            draft.proc.send_signal(signal.SIGKILL)
+            results = await run
+            return results, await server_info(gateway)
+
+        results, info = asyncio.run(scenario())
+        assert [r["tokens"] for r in results] == reference
+        assert info.draft_state == common_pb2.DRAFT_STATE_UNHEALTHY
+        # The draft comes back on the same port; new requests speculate again.
+        draft.proc = subprocess.Popen(
+            [sys.executable, "-m", draft.module, *draft.args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_serving(draft, 120)
+        deadline = time.monotonic() + 30
+        while asyncio.run(server_info(gateway)).draft_state != common_pb2.DRAFT_STATE_HEALTHY:
+            assert time.monotonic() < deadline, "the target never re-attached to the draft"
+            time.sleep(0.2)
+        again = asyncio.run(generate(gateway, prompts()[:2]))
+        assert [r["tokens"] for r in again] == reference[:2]
+        assert sum(r["complete"].usage.accepted_tokens for r in again) > 0
+    finally:
+        stack.stop()
+
+
+def test_stack_stops_cleanly_on_sigterm(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    stack = start(ckpts, tmp_path, "eagle3", "--spec-steps", "2")
+    stack.stop(grace_s=20)
+    codes = [s.proc.returncode for s in stack.services if s.proc is not None]
+    assert codes == [0, 0, 0], codes
+    assert isinstance(stack.services[0], Service)

@@ -1,0 +1,171 @@
+"""The target service over gRPC (in-process server on a loopback port): admits, commits,
+aborts, refusals, and a closed gateway stream freeing everything it admitted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tandem import serving, wire
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.random_model import make_checkpoint
+from tandem.sampling import SamplingParams
+from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.__main__ import get_info, status
+from target_service.config import TargetServiceConfig
+from target_service.engine import TargetLoop
+from target_service.server import TargetServicer
+
+PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 500, 600, 700], [42]]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("t"), "llama", seed=3, tokenizer=False)
+
+
+class Running:
+    def __init__(self, engine: Engine, server: grpc.aio.Server, port: int, loop: TargetLoop):
+        self.engine, self.server, self.port, self.loop = engine, server, port, loop
+
+
+async def start(target_dir: Path) -> Running:
+    config = TargetServiceConfig(engine=EngineConfig(model=target_dir, num_pages=256))
+    engine = Engine(config.engine)
+    loop = TargetLoop(engine, status=lambda: status(engine, None), status_interval_s=0.05)
+    server = serving.make_server(max_message_bytes=config.max_message_bytes)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(
+        TargetServicer(loop, get_info(engine, config)), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    loop.start()
+    return Running(engine, server, port, loop)
+
+
+def admit(request_id: str, prompt: list[int], **sampling: Any) -> target_pb2.ControlRequest:
+    params = SamplingParams(**{"max_new_tokens": 12, "ignore_eos": True, **sampling})
+    return target_pb2.ControlRequest(
+        admit=target_pb2.AdmitCommand(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=wire.sampling_to_proto(params),
+        )
+    )
+
+
+async def collect(
+    responses: AsyncIterator[target_pb2.ControlResponse], ids: set[str]
+) -> dict[str, list[target_pb2.Commit]]:
+    out: dict[str, list[target_pb2.Commit]] = {i: [] for i in ids}
+    open_ = set(ids)
+    statuses = 0
+    async for response in responses:
+        if response.WhichOneof("event") == "status":
+            statuses += 1
+            continue
+        for commit in response.step.commits:
+            out[commit.request_id].append(commit)
+            if commit.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                open_.discard(commit.request_id)
+        if not open_:
+            break
+    assert statuses > 0, "no TargetStatus was ever sent"
+    return out
+
+
+def test_commits_equal_the_in_process_engine(target_dir: Path) -> None:
+    async def run() -> dict[str, list[target_pb2.Commit]]:
+        svc = await start(target_dir)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+                stub = target_pb2_grpc.TargetServiceStub(channel)
+                requests: asyncio.Queue[target_pb2.ControlRequest | None] = asyncio.Queue()
+                for i, prompt in enumerate(PROMPTS):
+                    requests.put_nowait(admit(f"r{i}", prompt))
+
+                async def outgoing() -> AsyncIterator[target_pb2.ControlRequest]:
+                    while (item := await requests.get()) is not None:
+                        yield item
+
+                call = stub.Control(outgoing())
+                commits = await collect(call, {f"r{i}" for i in range(len(PROMPTS))})
+                requests.put_nowait(None)
+                info = await stub.GetInfo(target_pb2.TargetServiceGetInfoRequest())
+                assert info.vocab_size == svc.engine.model.config.vocab_size
+                return commits
+        finally:
+            svc.loop.stop()
+            await svc.server.stop(0)
+
+    commits = asyncio.run(run())
+    expected = Engine(EngineConfig(model=target_dir)).generate(
+        PROMPTS, SamplingParams(max_new_tokens=12, ignore_eos=True)
+    )
+    for i, result in enumerate(expected):
+        got = [t for c in commits[f"r{i}"] for t in c.token_ids]
+        assert got == result.token_ids
+        final = commits[f"r{i}"][-1]
+        assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert final.usage.completion_tokens == 12
+        assert final.usage.prompt_tokens == len(PROMPTS[i])
+
+
+def test_refusals_aborts_and_a_closed_stream(target_dir: Path) -> None:
+    async def run() -> None:
+        svc = await start(target_dir)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+                stub = target_pb2_grpc.TargetServiceStub(channel)
+                call = stub.Control()
+                await call.write(admit("bad", [10**6]))  # id outside the vocabulary
+                await call.write(admit("long", PROMPTS[1], max_new_tokens=400))
+                refusal = await call.read()
+                while refusal.WhichOneof("event") != "step":
+                    refusal = await call.read()
+                (commit,) = refusal.step.commits
+                assert commit.request_id == "bad"
+                assert commit.finish_reason == common_pb2.FINISH_REASON_ERROR
+                assert commit.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert commit.error.field == "prompt_ids"
+                await call.write(admit("long", PROMPTS[0]))  # a duplicate id
+                abort = target_pb2.ControlRequest(
+                    abort=target_pb2.AbortCommand(request_ids=["long"])
+                )
+                await call.write(abort)
+                seen: list[tuple[int, str]] = []
+                while (common_pb2.FINISH_REASON_ABORT, "") not in seen:
+                    response = await call.read()
+                    seen += [
+                        (c.finish_reason, c.error.field)
+                        for c in response.step.commits
+                        if c.request_id == "long" and c.finish_reason
+                    ]
+                # The duplicate admit is refused (naming the field); the original is aborted.
+                assert seen == [
+                    (common_pb2.FINISH_REASON_ERROR, "request_id"),
+                    (common_pb2.FINISH_REASON_ABORT, ""),
+                ]
+                # A stream that closes with requests in flight frees all of them.
+                await call.write(admit("orphan", PROMPTS[1], max_new_tokens=400))
+                await call.read()
+                await call.done_writing()
+                call.cancel()
+            alloc = svc.engine.kv.allocator
+            for _ in range(100):
+                if alloc.num_free_pages == alloc.num_pages and not svc.engine.has_unfinished():
+                    break
+                await asyncio.sleep(0.05)
+            assert alloc.num_free_pages == alloc.num_pages
+            assert not svc.engine.has_unfinished()
+        finally:
+            svc.loop.stop()
+            await svc.server.stop(0)
+
+    asyncio.run(run())
