@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TARGET ?=
 PROMPT ?= def fibonacci(n):
-DEMO_DIR := out/demo-random-llama
+DRAFT ?=
+DRAFT_KIND ?=
 
 .PHONY: install demo lint protos test
 
@@ -21,15 +22,13 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Generates from TARGET (a Hugging Face checkpoint dir); without one, from a small random-weight
-# Llama written on the spot (its text is noise; the embedded trained model replaces it).
+# The full local demo: draft, target and gateway as three processes, one streamed generation,
+# its speculation statistics. TARGET (and DRAFT, DRAFT_KIND) pick checkpoints; without TARGET a
+# random-weight Llama and EAGLE-3 head are written first (noise text; the embedded trained
+# model replaces them).
 demo: install
-ifeq ($(TARGET),)
-	test -f $(DEMO_DIR)/config.json || $(PY) -m tandem.random_model --arch llama --out $(DEMO_DIR)
-	$(VENV)/bin/tandem generate --target $(DEMO_DIR) --max-new-tokens 32 --ignore-eos --json "w10 w20 w30"
-else
-	$(VENV)/bin/tandem generate --target $(TARGET) --max-new-tokens 64 "$(PROMPT)"
-endif
+	$(VENV)/bin/tandem demo $(if $(TARGET),--target $(TARGET) --prompt "$(PROMPT)") \
+		$(if $(DRAFT),--draft $(DRAFT)) $(if $(DRAFT_KIND),--draft-kind $(DRAFT_KIND))
 
 protos: install
 	$(PY) protos/generate.py

@@ -332,3 +332,34 @@ def serve(
     finally:
         with err.status("stopping services"):
             stack.stop()
+
+
+@app.command()
+def demo(
+    target: Annotated[
+        Path | None,
+        typer.Option(envvar="TANDEM_TARGET", help="Target checkpoint (default: random weights)."),
+    ] = None,
+    draft: Annotated[Path | None, typer.Option(help="Draft checkpoint directory.")] = None,
+    draft_kind: Annotated[str | None, typer.Option(help="Draft kind (default eagle3).")] = None,
+    spec_steps: Annotated[int, typer.Option(help="S: draft steps per cycle.")] = 3,
+    prompt: Annotated[str, typer.Option(help="The prompt to stream a completion for.")] = "",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
+    device: Annotated[str, typer.Option(envvar="TANDEM_DEVICE", help="cpu or cuda[:N].")] = "cpu",
+    work_dir: Annotated[Path, typer.Option(help="Demo checkpoints and service logs.")] = Path(
+        "out/demo"
+    ),
+) -> None:
+    """Start the three services, stream one generation, print speculation statistics."""
+    from tandem.demo import run_demo
+
+    run_demo(
+        target=target,
+        draft=draft,
+        draft_kind=draft_kind,
+        spec_args=["--spec-steps", str(spec_steps)],
+        prompt=prompt or "def fibonacci(n):",
+        max_new_tokens=max_new_tokens,
+        work_dir=work_dir,
+        device=device,
+    )

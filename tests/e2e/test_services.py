@@ -179,3 +179,26 @@ def test_stack_stops_cleanly_on_sigterm(ckpts: dict[str, Path], tmp_path: Path) 
     codes = [s.proc.returncode for s in stack.services if s.proc is not None]
     assert codes == [0, 0, 0], codes
     assert isinstance(stack.services[0], Service)
+
+
+def test_demo_command_streams_and_reports(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem",
+            "demo",
+            "--max-new-tokens",
+            "8",
+            "--work-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("w10 w20 w30") and len(proc.stdout.split()) == 3 + 8
+    assert "accept length" in proc.stderr and "tokens/s" in proc.stderr
+    assert "verify steps 7" in proc.stderr
