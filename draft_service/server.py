@@ -83,7 +83,8 @@ class _Session:
         )
         admitted: list[str] = []
         for i, new in enumerate(request.new_requests):
-            self._guard(work, new.request_id, self._admit, new, step_spec, f"new_requests[{i}]")
+            path = f"new_requests[{i}]"
+            self._guard(work, new.request_id, self._admit, new, step_spec, path, work)
             admitted.append(new.request_id)
         for j, frames in enumerate(request.prompt_frames):
             self._guard(work, frames.request_id, self._frames, frames, f"prompt_frames[{j}]")
@@ -117,9 +118,12 @@ class _Session:
         if request_id and request_id not in work.dropped:
             work.dropped.append(request_id)
 
-    def _admit(self, msg: draft_pb2.DraftAdmit, step_spec: SpecConfig | None, path: str) -> None:
+    def _admit(
+        self, msg: draft_pb2.DraftAdmit, step_spec: SpecConfig | None, path: str, work: _Work
+    ) -> None:
         self.pending.pop(msg.request_id, None)  # a re-admission starts over
-        self.lengths.pop(msg.request_id, None)
+        if self.lengths.pop(msg.request_id, None) is not None:
+            work.released.append(msg.request_id)
         admit = self._convert_admit(msg, None, step_spec, path)
         spec, limit = admit.spec, self.max_spec
         if spec.num_steps > limit.num_steps or spec.topk > limit.topk:
