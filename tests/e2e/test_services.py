@@ -49,9 +49,27 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(ckpts: dict[str, Path]) -> list[list[int]]:
+    """Target-only greedy output, which must also be transformers' generate."""
+    import torch
+
+    from tests.checkpoints import load_hf
+
     engine = Engine(EngineConfig(model=ckpts["target"]))
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    return [r.token_ids for r in engine.generate(prompts(), params)]
+    ours = [r.token_ids for r in engine.generate(prompts(), params)]
+    hf = load_hf(ckpts["target"])
+    for prompt, tokens in zip(prompts(), ours, strict=True):
+        with torch.inference_mode():
+            out = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                pad_token_id=0,
+            )
+        assert out[0, len(prompt) :].tolist() == tokens
+    return ours
 
 
 def start(ckpts: dict[str, Path], tmp: Path, draft: str, *spec: str) -> Stack:
@@ -76,7 +94,13 @@ def start(ckpts: dict[str, Path], tmp: Path, draft: str, *spec: str) -> Stack:
     return stack
 
 
-async def generate(port: int, prompt_ids: list[list[int]]) -> list[dict[str, Any]]:
+async def generate(
+    port: int,
+    prompt_ids: list[list[int]],
+    *,
+    speculate: bool = True,
+    first_chunk: asyncio.Event | None = None,
+) -> list[dict[str, Any]]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
 
@@ -87,11 +111,15 @@ async def generate(port: int, prompt_ids: list[list[int]]) -> list[dict[str, Any
                     temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True
                 ),
             )
+            if not speculate:
+                request.speculation.enabled = False
             tokens: list[int] = []
             done: Any = None
             async for response in stub.Generate(request):
                 if response.WhichOneof("payload") == "chunk":
                     tokens += response.chunk.token_ids
+                    if first_chunk is not None:
+                        first_chunk.set()
                 elif response.WhichOneof("payload") == "complete":
                     done = response.complete
             return {"tokens": tokens, "complete": done}
@@ -133,6 +161,10 @@ def test_greedy_through_the_gateway_equals_target_only(
             assert usage.draft_tokens > 0
         if draft == "model":  # the target as its own draft: drafts are accepted
             assert all(r["complete"].usage.accepted_tokens > 0 for r in results)
+        # Per-request opt-out: the same output, nothing drafted.
+        (plain,) = asyncio.run(generate(gateway, prompts()[3:4], speculate=False))
+        assert plain["tokens"] == reference[3]
+        assert plain["complete"].usage.draft_tokens == 0
     finally:
         stack.stop()
 
@@ -144,17 +176,24 @@ def test_killing_the_draft_loses_nothing(
     draft, gateway = stack.services[0], stack.services[-1].port
     try:
 
-        async def scenario() -> tuple[list[dict[str, Any]], Any]:
-            run = asyncio.create_task(generate(gateway, prompts()))
-            await asyncio.sleep(0.5)
+        async def scenario() -> tuple[list[dict[str, Any]], list[int]]:
+            streaming = asyncio.Event()
+            run = asyncio.create_task(generate(gateway, prompts(), first_chunk=streaming))
+            await streaming.wait()  # the streams are running: now the draft dies
             assert draft.proc is not None
             draft.proc.send_signal(signal.SIGKILL)
             results = await run
-            return results, await server_info(gateway)
+            states = [(await server_info(gateway)).draft_state]
+            for _ in range(50):  # the gateway learns it from the target's next status
+                if states[-1] == common_pb2.DRAFT_STATE_UNHEALTHY:
+                    break
+                await asyncio.sleep(0.1)
+                states.append((await server_info(gateway)).draft_state)
+            return results, states
 
-        results, info = asyncio.run(scenario())
+        results, states = asyncio.run(scenario())
         assert [r["tokens"] for r in results] == reference
-        assert info.draft_state == common_pb2.DRAFT_STATE_UNHEALTHY
+        assert states[-1] == common_pb2.DRAFT_STATE_UNHEALTHY, states
         # The draft comes back on the same port; new requests speculate again.
         draft.proc = subprocess.Popen(
             [sys.executable, "-m", draft.module, *draft.args],
@@ -202,3 +241,55 @@ def test_demo_command_streams_and_reports(tmp_path: Path) -> None:
     assert proc.stdout.startswith("w10 w20 w30") and len(proc.stdout.split()) == 3 + 8
     assert "accept length" in proc.stderr and "tokens/s" in proc.stderr
     assert "verify steps 7" in proc.stderr
+
+
+def test_generate_cli_through_the_server(
+    ckpts: dict[str, Path], reference: list[list[int]], tmp_path: Path
+) -> None:
+    import json
+
+    stack = start(ckpts, tmp_path, "eagle3", "--spec-steps", "3")
+    try:
+        args = [
+            "generate",
+            "--target",
+            str(ckpts["target"]),
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--ignore-eos",
+            "--json",
+            "w10 w20 w30",
+            "w4000 w17",
+        ]
+        local = subprocess.run(
+            [sys.executable, "-m", "tandem", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        server = f"127.0.0.1:{stack.services[-1].port}"
+        remote = subprocess.run(
+            [sys.executable, "-m", "tandem", *args, "--server", server],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        ours = [json.loads(line) for line in local.stdout.splitlines()]
+        theirs = [json.loads(line) for line in remote.stdout.splitlines()]
+        keys = {"prompt", "token_ids", "finish_reason", "completion_tokens"}
+        assert [{k: r[k] for k in keys} for r in theirs] == [{k: r[k] for k in keys} for r in ours]
+        for rec in theirs:
+            assert {
+                "text",
+                "accept_length",
+                "draft_tokens",
+                "accepted_tokens",
+                "verify_steps",
+            } <= set(rec)
+            assert rec["draft_tokens"] > 0
+            # Streamed text continues the prompt (a leading space for word-level tokenizers).
+            assert rec["text"].strip() == ours[theirs.index(rec)]["text"].strip()
+    finally:
+        stack.stop()
