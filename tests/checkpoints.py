@@ -9,7 +9,7 @@ import torch
 
 from tandem.random_model import ARCHS, make_checkpoint
 
-__all__ = ["ARCHS", "load_hf", "make_checkpoint"]
+__all__ = ["ARCHS", "hf_greedy", "load_hf", "make_checkpoint"]
 
 
 def load_hf(path: Path) -> Any:
@@ -20,3 +20,21 @@ def load_hf(path: Path) -> Any:
         path, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate of exactly ``new_tokens`` per prompt: the reference."""
+    hf = load_hf(path)
+    out = []
+    for p in prompts:
+        with torch.inference_mode():
+            ids = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
+        out.append(ids[0, len(p) :].tolist())
+    return out

@@ -50,25 +50,12 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(ckpts: dict[str, Path]) -> list[list[int]]:
     """Target-only greedy output, which must also be transformers' generate."""
-    import torch
-
-    from tests.checkpoints import load_hf
+    from tests.checkpoints import hf_greedy
 
     engine = Engine(EngineConfig(model=ckpts["target"]))
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     ours = [r.token_ids for r in engine.generate(prompts(), params)]
-    hf = load_hf(ckpts["target"])
-    for prompt, tokens in zip(prompts(), ours, strict=True):
-        with torch.inference_mode():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                pad_token_id=0,
-            )
-        assert out[0, len(prompt) :].tolist() == tokens
+    assert hf_greedy(ckpts["target"], prompts(), NEW_TOKENS) == ours
     return ours
 
 

@@ -604,7 +604,6 @@ def test_model_and_server_info(words: Path) -> None:
 
 
 def test_against_the_real_target_service(tmp_path: Path) -> None:
-    pytest.importorskip("target_service.server")
     from tandem import serving
     from tandem.config import EngineConfig
     from tandem.engine import Engine

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine, GenerationResult
@@ -17,7 +16,7 @@ from tandem.random_model import make_checkpoint
 from tandem.sampling import SamplingParams
 from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig
-from tests.checkpoints import load_hf
+from tests.checkpoints import hf_greedy
 
 # An odd vocabulary smaller than the foundation tests' keeps the 200-run parity matrix fast;
 # 4 layers so EAGLE-3's aux layers (2, L//2, L-3) are three different states.
@@ -101,16 +100,5 @@ def reference(ckpts: Checkpoints) -> list[list[int]]:
     prompts = ragged_prompts()
     results: list[GenerationResult] = ckpts.engine(None, None).generate(prompts, greedy())
     ours = [r.token_ids for r in results]
-    hf = load_hf(ckpts.target)
-    for prompt, tokens in zip(prompts, ours, strict=True):
-        with torch.inference_mode():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                pad_token_id=0,
-            )
-        assert out[0, len(prompt) :].tolist() == tokens
+    assert hf_greedy(ckpts.target, prompts, NEW_TOKENS) == ours
     return ours

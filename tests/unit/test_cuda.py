@@ -12,8 +12,8 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
-from tests.checkpoints import ARCHS, make_checkpoint
-from tests.unit.test_engine import hf_greedy, ragged_prompts
+from tests.checkpoints import ARCHS, hf_greedy, make_checkpoint
+from tests.unit.test_engine import ragged_prompts
 
 pytestmark = pytest.mark.gpu
 

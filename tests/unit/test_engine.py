@@ -8,14 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.errors import InvalidRequest
 from tandem.request import FinishReason
 from tandem.sampling import SamplingParams
-from tests.checkpoints import ARCHS, load_hf, make_checkpoint
+from tests.checkpoints import ARCHS, hf_greedy, make_checkpoint
 
 NEW_TOKENS = 32
 
@@ -29,23 +28,6 @@ def ragged_prompts(vocab: int, lens: tuple[int, ...] = (1, 7, 20, 33)) -> list[l
     rng = random.Random(3)
     # Ids >= 3 so no prompt contains EOS/BOS/pad by accident.
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
-
-
-def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    hf = load_hf(path)
-    out = []
-    for p in prompts:
-        with torch.inference_mode():
-            ids = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                pad_token_id=0,
-            )
-        out.append(ids[0, len(p) :].tolist())
-    return out
 
 
 def engine(path: Path, **overrides: Any) -> Engine:
