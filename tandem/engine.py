@@ -339,10 +339,17 @@ class Engine:
             outputs = self.step()
             if progress is not None:
                 progress(sum(len(o.new_token_ids) for o in outputs))
-        if self.drafter is not None and self._released:
-            self.drafter.step([], [], self._released)  # let the draft free what finished last
-            self._released.clear()
+        self.flush_draft()
         return [self.pop_finished(i) for i in ids]
+
+    def flush_draft(self) -> None:
+        """Tells the draft about requests released since the last step (aborted while idle,
+        say), so it frees their pages now rather than with the next step."""
+        released = [*self._released, *self.scheduler.preempted]
+        self._released.clear()
+        self.scheduler.preempted.clear()
+        if self.drafter is not None and released:
+            self.drafter.step([], [], released)
 
 
 def _rows(features: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:

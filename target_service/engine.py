@@ -102,6 +102,8 @@ class TargetLoop:
             self._drain(block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():
                 self._step()
+            else:
+                self.engine.flush_draft()  # an abort while idle frees the draft's pages too
             self._maybe_status()
 
     def _drain(self, *, block: bool) -> None:

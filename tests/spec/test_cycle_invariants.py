@@ -194,3 +194,19 @@ def test_target_randomness_does_not_depend_on_the_draft(
             # The verifier sees the coins of the tree's nodes: a prefix of the same block.
             k = min(len(coins_a), len(coins_b))
             assert coins_a[:k] == coins_b[:k] and noise_a == noise_b
+
+
+def test_an_abort_while_idle_frees_the_draft_too(ckpts: Checkpoints) -> None:
+    engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1))
+    drafter: Any = engine.drafter
+    rid = engine.add_request(ragged_prompts()[3], greedy(40))
+    for _ in range(3):
+        engine.step()
+    assert drafter.num_tracked() == 1
+    engine.abort(rid)
+    assert drafter.num_tracked() == 1  # the draft hears of it with the next message
+    engine.flush_draft()
+    assert drafter.num_tracked() == 0
+    for kv in drafter.kvs:
+        assert kv.allocator.num_free_pages == kv.allocator.num_pages
+    assert engine.kv.allocator.num_free_pages == engine.kv.allocator.num_pages
