@@ -219,9 +219,7 @@ class Engine:
     ) -> None:
         """Sends the step's outcome to the draft and attaches the trees it returns."""
         assert self.drafter is not None and self.spec is not None
-        released = [*self._released, *self.scheduler.preempted]
-        self._released.clear()
-        self.scheduler.preempted.clear()
+        released = self._take_released()
         admits: list[DraftAdmit] = []
         outcomes: list[VerifyOutcome] = []
         features = outputs.features
@@ -345,11 +343,16 @@ class Engine:
     def flush_draft(self) -> None:
         """Tells the draft about requests released since the last step (aborted while idle,
         say), so it frees their pages now rather than with the next step."""
+        released = self._take_released()
+        if self.drafter is not None and released:
+            self.drafter.step([], [], released)
+
+    def _take_released(self) -> list[str]:
+        """Requests the draft must forget: finished, aborted or preempted since it last heard."""
         released = [*self._released, *self.scheduler.preempted]
         self._released.clear()
         self.scheduler.preempted.clear()
-        if self.drafter is not None and released:
-            self.drafter.step([], [], released)
+        return released
 
 
 def _rows(features: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:

@@ -63,7 +63,7 @@ class ModelRunner:
             if tree is not None:
                 ids.extend(tree.tokens)
                 positions.extend(start + d for d in tree.depths)
-                masks.append(_ancestor_mask(tree))
+                masks.append(tree.ancestor_mask())
             else:
                 ids.extend(req.tokens[start : start + n])
                 positions.extend(range(start, start + n))
@@ -102,16 +102,6 @@ class ModelRunner:
         logits = self.model.compute_logits(out.hidden[inputs.logits_indices])
         features = torch.cat(out.captured, dim=-1) if out.captured else None
         return ModelOutputs(logits=logits, features=features)
-
-
-def _ancestor_mask(tree: Tree) -> torch.Tensor:  # [N, N] bool
-    n = len(tree)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        if i:
-            mask[i] = mask[tree.parents[i]]
-        mask[i, i] = True
-    return mask
 
 
 def _tensor(values: Sequence[int], device: torch.device | str) -> torch.Tensor:

@@ -55,6 +55,16 @@ class Tree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def ancestor_mask(self) -> torch.Tensor:  # [N, N] bool
+        """Row i marks node i and its ancestors: what node i attends to within the tree."""
+        n = len(self.tokens)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            if i:
+                mask[i] = mask[self.parents[i]]
+            mask[i, i] = True
+        return mask
+
     def prefix(self, num_nodes: int) -> Tree:
         """The first ``num_nodes`` nodes: still a tree, since parents precede children."""
         if num_nodes >= len(self.tokens):

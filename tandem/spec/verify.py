@@ -81,22 +81,25 @@ def verify(
     accept_index = torch.full((bs, accept_width), -1, dtype=torch.int64, device=device)
     accept_len = torch.ones(bs, dtype=torch.int64, device=device)
     bonus = torch.zeros(bs, dtype=torch.int64, device=device)
-    for subset, sampler in ((greedy, _greedy), (sampled, _sampling)):
-        if not subset:
-            continue
-        idx = torch.tensor(subset, device=device)
-        a_index, a_len, a_bonus = sampler(
-            processed,
-            rows[idx],
+    if greedy:
+        idx = torch.tensor(greedy, device=device)
+        target_ids = processed.argmax(dim=-1)[rows[idx]]  # [bs_greedy, W]
+        accept_index[idx], accept_len[idx], bonus[idx] = verify_greedy_ref(
+            tokens[idx], target_ids, first_child[idx], next_sibling[idx], num_nodes[idx],
+            accept_width,
+        )  # fmt: skip
+    if sampled:
+        idx = torch.tensor(sampled, device=device)
+        accept_index[idx], accept_len[idx], bonus[idx] = _sampling(
+            processed.softmax(dim=-1)[rows[idx]],
             tokens[idx],
             first_child[idx],
             next_sibling[idx],
             num_nodes[idx],
             accept_width,
-            [reqs[b] for b in subset],
+            [reqs[b] for b in sampled],
             coin_block,
         )
-        accept_index[idx], accept_len[idx], bonus[idx] = a_index, a_len, a_bonus
 
     out = []
     host_index, host_len, host_bonus = accept_index.tolist(), accept_len.tolist(), bonus.tolist()
@@ -109,25 +112,9 @@ def verify(
     return out
 
 
-def _greedy(
-    processed: torch.Tensor,  # [sum(N), V]
-    rows: torch.Tensor,  # [bs, W]
-    tokens: torch.Tensor,
-    first_child: torch.Tensor,
-    next_sibling: torch.Tensor,
-    num_nodes: torch.Tensor,
-    accept_width: int,
-    reqs: list[Request],
-    coin_block: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    target_ids = processed.argmax(dim=-1)[rows]  # [bs, W]
-    return verify_greedy_ref(tokens, target_ids, first_child, next_sibling, num_nodes, accept_width)
-
-
 def _sampling(
-    processed: torch.Tensor,  # [sum(N), V]
-    rows: torch.Tensor,  # [bs, W]
-    tokens: torch.Tensor,
+    probs: torch.Tensor,  # [bs, W, V] the target's distribution at every node
+    tokens: torch.Tensor,  # [bs, W]
     first_child: torch.Tensor,
     next_sibling: torch.Tensor,
     num_nodes: torch.Tensor,
@@ -135,7 +122,6 @@ def _sampling(
     reqs: list[Request],
     coin_block: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    probs = processed.softmax(dim=-1)[rows]  # [bs, W, V]
     bs, width, vocab = probs.shape
     coins = torch.empty(bs, coin_block, device=probs.device)
     noise = torch.empty(bs, vocab, device=probs.device)

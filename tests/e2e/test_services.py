@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import grpc
 import pytest
 
 from tandem.config import EngineConfig
+from tandem.demo import free_port
 from tandem.engine import Engine
 from tandem.launch import Service, Stack, build_stack, wait_serving
 from tandem.random_drafts import make_eagle3_checkpoint
@@ -27,12 +27,6 @@ pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 24
 STREAMS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
