@@ -65,6 +65,7 @@ class StepResult:
     dropped: list[str]  # the stream's requests whose draft state was lost
     kv_usage: KvUsage
     draft_ns: int  # time inside Drafter.step (extend + draft: one call)
+    model_ns: int  # of which in the draft model (forwards, logits, top-k)
 
 
 class DraftEngine:
@@ -180,7 +181,7 @@ class DraftEngine:
         tracked = self._tracked.setdefault(stream, set())
         tracked.difference_update(released)
         tracked.update(a.request_id for a in admits)
-        started = time.perf_counter_ns()
+        started, model_before = time.perf_counter_ns(), self._drafter.model_ns
         trees = self._drafter.step(
             [
                 replace(a, request_id=prefix + a.request_id, features=self._cast(a.features))
@@ -201,6 +202,7 @@ class DraftEngine:
             dropped=dropped,
             kv_usage=self._kv_usage(),
             draft_ns=draft_ns,
+            model_ns=self._drafter.model_ns - model_before,
         )
 
     def _cast(self, features: torch.Tensor | None) -> torch.Tensor | None:

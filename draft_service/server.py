@@ -260,6 +260,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
                     ),
                     extend_ns=extend_ns,
                     draft_ns=result.draft_ns,
+                    model_ns=result.model_ns,
                 )
                 if first:
                     response.hello.CopyFrom(self._hello(info))

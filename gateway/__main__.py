@@ -61,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         help="requests waiting for admission; beyond it RESOURCE_EXHAUSTED",
     )
     p.add_argument(
+        "--two-lane-batch",
+        type=int,
+        default=env("TANDEM_GATEWAY_TWO_LANE_BATCH", 16),
+        help="split running requests into two lanes (the draft drafts one while the target "
+        "verifies the other) from this many on; 0 = always one lane",
+    )
+    p.add_argument(
         "--reflection",
         action=argparse.BooleanOptionalAction,
         default=env("TANDEM_GATEWAY_REFLECTION", False),
@@ -80,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             port=a.port,
             max_running=a.max_running,
             max_queue=a.max_queue,
+            two_lane_batch=a.two_lane_batch,
             reflection=a.reflection,
             grace_s=a.grace,
             log_level=a.log_level,

@@ -29,6 +29,7 @@ class GatewayConfig:
     retry_after_s: float = 1.0  # RetryInfo.retry_delay sent with RESOURCE_EXHAUSTED
     target_timeout_s: float = 5.0  # unary calls to the target (GetInfo)
     max_message_bytes: int = 64 << 20
+    two_lane_batch: int = 16  # two lanes from this many running requests; 0 = always one
 
     def __post_init__(self) -> None:
         try:
@@ -60,5 +61,7 @@ class GatewayConfig:
             raise ValueError(f"retry_after_s: must be > 0, got {self.retry_after_s}")
         if self.target_timeout_s <= 0:
             raise ValueError(f"target_timeout_s: must be > 0, got {self.target_timeout_s}")
+        if self.two_lane_batch < 0:
+            raise ValueError(f"two_lane_batch: must be >= 0, got {self.two_lane_batch}")
         if self.max_message_bytes < 1 << 20:
             raise ValueError("max_message_bytes: must be at least 1 MiB")

@@ -27,6 +27,7 @@ from opentelemetry import propagate
 from gateway.admission import Admission, Overloaded, Withdrawn
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
+from gateway.lanes import LanePlanner, Move
 from gateway.target_client import TargetClient, TargetUnavailable
 from tandem import __version__, wire
 from tandem.errors import InvalidRequest
@@ -161,6 +162,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.admission = admission
         self.started_ns = time.monotonic_ns()
         self._jobs: dict[str, Job] = {}  # queued or running, by request id
+        self.lanes = LanePlanner(config.two_lane_batch)  # by target id
         self._seq = itertools.count(1)
 
     async def Generate(
@@ -192,6 +194,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 # The client went away (cancellation) or the servicer failed: free the target.
                 self.client.abort([job.target_id], common_pb2.FINISH_REASON_ABORT)
             self.client.forget(job.target_id)
+            self._send_moves(self.lanes.finish(job.target_id))
 
     async def _run(
         self, job: Job, context: grpc.aio.ServicerContext
@@ -204,10 +207,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             job.finished = True
             yield self._complete(job, common_pb2.FINISH_REASON_ABORT)
             return
+        lane, moves = self.lanes.admit(job.target_id)
+        job.admit.lane_id = lane
         try:
             stream = self.client.admit(job.admit)
         except TargetUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self._send_moves(moves)
         job.admitted = True
         job.admitted_ns = time.monotonic_ns()
         detokenizer = IncrementalDetokenizer(
@@ -252,6 +258,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 job.finished = True
                 yield self._complete(job, commit.finish_reason, commit, stops.matched)
                 return
+
+    def _send_moves(self, moves: list[Move]) -> None:
+        for move in moves:
+            logger.debug("lane %d <- %d requests", move.lane, len(move.request_ids))
+            self.client.assign(move.request_ids, move.lane)
 
     def _chunk(
         self,
@@ -375,17 +386,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         stats = self.client.last_stats
         if stats is not None and stats.HasField("speculation"):
             speculation.MergeFrom(stats.speculation)
-        # One lane until the lane policy exists (DESIGN.md section 5).
-        lane = gateway_pb2.LaneInfo(
-            lane_id=0,
-            num_requests=self.admission.num_running,
-            speculation=speculation,
-            accept_length=self.client.accept_length,
-        )
+        lanes = [
+            gateway_pb2.LaneInfo(
+                lane_id=lane,
+                num_requests=size,
+                speculation=speculation,
+                accept_length=self.client.lane_accept_length.get(lane, 0.0),
+            )
+            for lane, size in enumerate(self.lanes.sizes())
+        ]
         response = gateway_pb2.GetServerInfoResponse(
             version=__version__,
             speculation=speculation,
-            lanes=[lane],
+            lanes=lanes,
             draft_state=(
                 status.draft_state if self.client.connected else common_pb2.DRAFT_STATE_UNSPECIFIED
             ),

@@ -86,6 +86,7 @@ class TargetClient:
         self.status: target_pb2.TargetStatus | None = None
         self.last_stats: target_pb2.StepStats | None = None
         self.accept_length = 0.0  # moving average of committed tokens per request and step
+        self.lane_accept_length: dict[int, float] = {}  # the same, per lane
         self.num_connects = 0  # control streams opened so far (1 + reconnections)
 
     @property
@@ -139,6 +140,15 @@ class TargetClient:
             return
         abort = target_pb2.AbortCommand(request_ids=ids, finish_reason=finish_reason)
         self._outbox.put_nowait(target_pb2.ControlRequest(abort=abort))
+
+    def assign(self, request_ids: Iterable[str], lane: int) -> None:
+        """Moves running requests to ``lane`` from their next step (a no-op while
+        disconnected)."""
+        ids = [rid for rid in request_ids if rid in self._streams]
+        if not ids or self._outbox is None:
+            return
+        move = target_pb2.LaneAssignment(request_ids=ids, lane_id=lane)
+        self._outbox.put_nowait(target_pb2.ControlRequest(lane_assignment=move))
 
     def forget(self, request_id: str) -> None:
         """Stops routing commits to a request that the gateway has finished with."""
@@ -218,8 +228,9 @@ class TargetClient:
         self.last_stats = step.stats
         if step.stats.batch_size:
             per_request = step.stats.num_committed_tokens / step.stats.batch_size
-            decay = _ACCEPT_LENGTH_DECAY if self.accept_length else 0.0
-            self.accept_length = decay * self.accept_length + (1 - decay) * per_request
+            self.accept_length = _average(self.accept_length, per_request)
+            lane = self.lane_accept_length.get(step.lane_id, 0.0)
+            self.lane_accept_length[step.lane_id] = _average(lane, per_request)
         for commit in step.commits:
             stream = self._streams.get(commit.request_id)
             if stream is None:
@@ -236,6 +247,12 @@ class TargetClient:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.commits.put_nowait(error)
+
+
+def _average(mean: float, value: float) -> float:
+    """An exponential moving average that starts at its first value."""
+    decay = _ACCEPT_LENGTH_DECAY if mean else 0.0
+    return decay * mean + (1 - decay) * value
 
 
 async def _drain(

@@ -266,6 +266,13 @@ def serve(
     draft_deadline: Annotated[
         float, typer.Option(help="Seconds a step waits for its trees before decoding without.")
     ] = 1.0,
+    two_lane_batch: Annotated[
+        int,
+        typer.Option(
+            help="Running requests from which the gateway splits them into two lanes (the "
+            "draft drafts one while the target verifies the other); 0 = always one lane."
+        ),
+    ] = 16,
     page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 16,
     gateway_port: Annotated[int, typer.Option(help="Public gRPC port.")] = 50051,
     target_port: Annotated[int, typer.Option(help="Target service port.")] = 50052,
@@ -302,6 +309,7 @@ def serve(
         target_port=target_port,
         draft_port=draft_port,
         draft_deadline_s=draft_deadline,
+        two_lane_batch=two_lane_batch,
     )
     err = Console(stderr=True)
     stopping = False

@@ -1,25 +1,28 @@
 """``RemoteDrafter``: the `Drafter` interface over a ``Speculate`` stream to the draft service.
 
-The target's engine thread calls ``step()`` synchronously, exactly as it calls an in-process
-drafter. Underneath, a background thread runs an asyncio loop that owns the channel and the
-stream: ``step()`` sends one SpeculateRequest and waits for the response with the same
-step_id until ``deadline_s`` (DESIGN.md section 8):
+The target's engine thread calls ``submit(lane, ...)`` and later ``collect(lane)``, exactly as
+it calls an in-process drafter. Underneath, a background thread runs an asyncio loop that owns
+the channel and the stream: ``submit`` sends one SpeculateRequest for the lane and returns;
+``collect`` waits for the response with that step_id until the submission's deadline
+(``deadline_s`` after it was sent; DESIGN.md section 8). Between the two the target verifies
+the other lane, so with two lanes the draft's work hides behind the target's.
 
-- late: ``step()`` returns {} (the engine decodes without speculation) and the answer is
-  discarded when it comes. The draft still applied that step's outcomes, so both sides stay in
-  step; while an answer is outstanding, further steps are sent without waiting (also {}), so a
-  slow draft costs one deadline, not one per step. ``max_backlog`` unanswered steps count as
-  a broken stream.
+- late: ``collect`` returns {} (the engine decodes that lane without speculation) and the answer
+  is discarded when it comes. The draft still applied that step's outcomes, so both sides stay
+  in step; while a late answer is outstanding, further submissions are sent without waiting
+  (their collect returns {} at once, their answers are discarded), so a slow draft costs one
+  deadline, not one per step. ``max_backlog`` unanswered steps count as a broken stream.
 - broken stream or unreachable draft: every request this client tracked is reported by
   ``take_dropped()``, the state goes UNHEALTHY and a tenacity loop reconnects in the background
-  (exponential backoff with jitter, until ``close()``). Meanwhile ``step()`` returns {} at once
-  and reports the admits it gets as dropped. New admits speculate again once it is back.
+  (exponential backoff with jitter, until ``close()``). Meanwhile ``submit`` sends nothing and
+  reports the admits it gets as dropped. New admits speculate again once it is back.
 
 Prompt features travel as frames of at most 4 MiB; a request's admit goes out with its first
-frame, the rest follow in the lane's next messages when one message (the smaller of both sides'
+frame, the rest follow in the next messages when one message (the smaller of both sides'
 ``max_message_bytes``) cannot hold them. Outcomes for a request whose admit has not gone out
 yet are merged into it (an admit of L tokens plus an outcome of k accepted tokens is the
-admit of L + k + 1 tokens).
+admit of L + k + 1 tokens). The draft applies messages in stream order whatever their lane, so
+frames and outcomes may continue in another lane's message.
 
 ``target_layer_ids`` come from the draft's GetInfo on the first connection (draft.proto's -1,
 the last normed hidden, becomes ``num_target_layers`` in transformers' numbering; without
@@ -40,7 +43,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Coroutine, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -69,6 +72,17 @@ class DraftState(enum.IntEnum):
     UNHEALTHY = common_pb2.DRAFT_STATE_UNHEALTHY  # late, or gone and reconnecting
 
 
+@dataclass(frozen=True)
+class _Submission:
+    """One lane's message on the stream, until its lane collects it."""
+
+    step_id: int
+    deadline: float  # time.monotonic() after which the answer is late
+    # Resolved by the reader with the response (None when the stream broke); None when the
+    # answer will be discarded (sent behind a late one) or nothing was sent.
+    answer: asyncio.Future[draft_pb2.SpeculateResponse | None] | None
+
+
 class RemoteDrafter(Drafter):
     """A Drafter whose trees come from a draft service at ``address`` (HOST:PORT)."""
 
@@ -81,7 +95,6 @@ class RemoteDrafter(Drafter):
         connect_timeout_s: float = 5.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         model_id: str = "",
-        lane_id: int = 0,
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
         max_backlog: int = 8,
@@ -94,15 +107,14 @@ class RemoteDrafter(Drafter):
         self.connect_timeout_s = connect_timeout_s
         self.max_message_bytes = max_message_bytes
         self.model_id = model_id
-        self.lane_id = lane_id
         self.max_backlog = max_backlog
         self._backoff = wait_exponential_jitter(
             multiplier=backoff_initial_s, max=backoff_max_s, jitter=backoff_initial_s
         )
         # Counters, for metrics and tests.
         self.late_steps = 0  # steps whose answer missed the deadline
-        self.late_responses = 0  # answers that came after their step gave up (discarded)
-        self.fallback_steps = 0  # steps that returned no trees: late, backlogged or down
+        self.late_responses = 0  # answers discarded: late, or sent behind a late one
+        self.fallback_steps = 0  # collects that returned no trees: late, backlogged or down
         self.connects = 0  # streams established
         self.info: draft_pb2.DraftServiceGetInfoResponse | None = None
         self.kv_usage = common_pb2.KvUsage()  # the draft's pool after its last answer
@@ -122,6 +134,8 @@ class RemoteDrafter(Drafter):
         # still to send of one that was.
         self._outbox: dict[str, DraftAdmit | deque[common_pb2.TensorFrame]] = {}
         self._waiters: dict[int, asyncio.Future[draft_pb2.SpeculateResponse | None] | None] = {}
+        self._discard: set[int] = set()  # unanswered steps whose answers nobody waits for
+        self._lanes: dict[int, _Submission | None] = {}  # engine thread: lane -> uncollected
         self._next_step = 1
         self._hidden_dtype = torch.float32
         self._budget = self._frame_bytes = 0
@@ -141,21 +155,55 @@ class RemoteDrafter(Drafter):
         """Blocks until the stream is up (HEALTHY); False after ``timeout_s``."""
         return self._healthy.wait(timeout_s)
 
+    def submit(
+        self,
+        lane: int,
+        admits: Sequence[DraftAdmit],
+        outcomes: Sequence[VerifyOutcome],
+        released: Sequence[str],
+    ) -> None:
+        if self._closed:
+            raise RuntimeError("RemoteDrafter is closed")
+        deadline = time.monotonic() + self.deadline_s
+        sending = self._submit(self._send(lane, list(admits), list(outcomes), list(released)))
+        try:
+            step_id, answer = sending.result(timeout=self.deadline_s + _SAFETY_S)
+        except concurrent.futures.TimeoutError:
+            logger.warning("draft step still sending after its deadline; decoding without it")
+            step_id, answer = 0, None
+        self._lanes[lane] = _Submission(step_id, deadline, answer)
+
+    def collect(self, lane: int) -> dict[str, Tree]:
+        submission = self._lanes.pop(lane, None)
+        if submission is None:
+            return {}
+        if submission.answer is None:
+            self.fallback_steps += 1
+            return {}
+        wait_s = max(0.0, submission.deadline - time.monotonic())
+        future = self._submit(self._await(submission))
+        try:
+            return future.result(timeout=wait_s + _SAFETY_S)
+        except concurrent.futures.TimeoutError:
+            return {}
+
+    def in_flight(self, lane: int) -> bool:
+        submission = self._lanes.get(lane)
+        return (
+            submission is not None
+            and submission.answer is not None
+            and (not submission.answer.done())
+        )
+
     def step(
         self,
         admits: Sequence[DraftAdmit],
         outcomes: Sequence[VerifyOutcome],
         released: Sequence[str],
     ) -> dict[str, Tree]:
-        if self._closed:
-            raise RuntimeError("RemoteDrafter is closed")
-        deadline = time.monotonic() + self.deadline_s
-        future = self._submit(self._step(list(admits), list(outcomes), list(released), deadline))
-        try:
-            return future.result(timeout=self.deadline_s + _SAFETY_S)
-        except concurrent.futures.TimeoutError:
-            logger.warning("draft step still sending after its deadline; decoding without it")
-            return {}
+        """One lane-0 submission and its answer: a synchronous step."""
+        self.submit(0, admits, outcomes, released)
+        return self.collect(0)
 
     def take_dropped(self) -> list[str]:
         with self._dropped_lock:
@@ -180,59 +228,65 @@ class RemoteDrafter(Drafter):
 
     # -- loop thread: one step -------------------------------------------------------------
 
-    async def _step(
+    async def _send(
         self,
+        lane: int,
         admits: list[DraftAdmit],
         outcomes: list[VerifyOutcome],
         released: list[str],
-        deadline: float,
-    ) -> dict[str, Tree]:
-        response = await self._exchange(admits, outcomes, released, deadline)
-        if response is None:
-            self.fallback_steps += 1
-            return {}
-        return self._trees(response)
-
-    async def _exchange(
-        self,
-        admits: list[DraftAdmit],
-        outcomes: list[VerifyOutcome],
-        released: list[str],
-        deadline: float,
-    ) -> draft_pb2.SpeculateResponse | None:
-        """Sends one step; its response, or None (down, backlogged, late or broken)."""
+    ) -> tuple[int, asyncio.Future[draft_pb2.SpeculateResponse | None] | None]:
+        """Sends one lane's step; its step_id and the future its answer resolves (None when
+        nothing was sent or the answer will be discarded)."""
         call = self._call
         if call is None:
             self._report_dropped([a.request_id for a in admits])
-            return None
-        request = self._build_request(admits, outcomes, released)
+            return 0, None
+        request = self._build_request(lane, admits, outcomes, released)
         if len(self._waiters) >= self.max_backlog:
             self._broken(f"{len(self._waiters)} steps unanswered")
-            return None
-        waiter = None if self._waiters else self._loop.create_future()
+            return 0, None
+        # Behind a late answer this one is late too (the draft answers in order): don't wait.
+        waiter = None if self._discard else self._loop.create_future()
         self._waiters[request.step_id] = waiter
+        if waiter is None:
+            self._discard.add(request.step_id)
         try:
             async with self._write_lock:
                 await call.write(request)
         except Exception as exc:
             if call is self._call:
                 self._broken(f"send failed: {_describe(exc)}")
-            return None
-        if waiter is None:  # an earlier answer is still outstanding: don't queue behind it
-            return None
+            return 0, None
+        return request.step_id, waiter
+
+    async def _await(self, submission: _Submission) -> dict[str, Tree]:
+        """The submission's trees, or {} (late, or the stream broke meanwhile)."""
+        assert submission.answer is not None
+        timeout = max(0.0, submission.deadline - time.monotonic())
         try:
-            return await asyncio.wait_for(waiter, max(0.0, deadline - time.monotonic()))
+            response = await asyncio.wait_for(asyncio.shield(submission.answer), timeout)
         except TimeoutError:
             self.late_steps += 1
+            if submission.step_id in self._waiters:  # still on its way: discard it then
+                self._discard.add(submission.step_id)
             self._set_state(DraftState.UNHEALTHY)
-            return None
+            response = None
+        if response is None:
+            self.fallback_steps += 1
+            return {}
+        self.model_ns += response.model_ns
+        return self._trees(response)
 
     def _build_request(
-        self, admits: list[DraftAdmit], outcomes: list[VerifyOutcome], released: list[str]
+        self,
+        lane: int,
+        admits: list[DraftAdmit],
+        outcomes: list[VerifyOutcome],
+        released: list[str],
     ) -> draft_pb2.SpeculateRequest:
         request = draft_pb2.SpeculateRequest(
             step_id=self._next_step,
-            lane_id=self.lane_id,
+            lane_id=lane,
             deadline_ns=int(self.deadline_s * 1e9),
         )
         self._next_step += 1
@@ -332,11 +386,12 @@ class RemoteDrafter(Drafter):
             logger.warning("draft answered unknown step %d", response.step_id)
             return
         waiter = self._waiters.pop(response.step_id)
-        if waiter is None or waiter.done():
+        if response.step_id in self._discard:
+            self._discard.discard(response.step_id)
             self.late_responses += 1  # its step already gave up: discard the trees
-        else:
+        elif waiter is not None and not waiter.done():
             waiter.set_result(response)
-        if not self._waiters and self._state is DraftState.UNHEALTHY:
+        if not self._discard and self._state is DraftState.UNHEALTHY:
             self._set_state(DraftState.HEALTHY)
 
     def _broken(self, reason: str) -> None:
@@ -349,6 +404,7 @@ class RemoteDrafter(Drafter):
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
         self._waiters.clear()
+        self._discard.clear()
         self._set_state(DraftState.UNHEALTHY)
         self._loop.create_task(self._teardown(self._call, self._channel, self._reader))
         self._call = self._channel = self._reader = None
@@ -390,7 +446,7 @@ class RemoteDrafter(Drafter):
                 max_message_bytes=self.max_message_bytes,
                 model_id=self.model_id,
             )
-            await call.write(draft_pb2.SpeculateRequest(hello=hello, lane_id=self.lane_id))
+            await call.write(draft_pb2.SpeculateRequest(hello=hello))
             first = await asyncio.wait_for(call.read(), self.connect_timeout_s)
             if first is grpc.aio.EOF or first.hello.protocol_version != PROTOCOL_VERSION:
                 raise ConnectionError(f"the draft's hello is missing or unsupported: {first}")

@@ -1,15 +1,23 @@
-"""The in-process engine: schedule -> run -> verify -> commit -> draft, one step at a time.
+"""The in-process engine: collect trees -> schedule -> run -> verify -> commit -> submit, one
+step at a time.
 
 Without a drafter it is the target-only engine (every decode is a tree of one node). With one,
-each step also hands the draft what the verification committed and takes back the next trees,
-through the same calls the draft service answers over gRPC. The target service wraps this loop
-on its own thread; ``tandem generate`` drives it directly.
+each step hands the draft what the verification committed and, at the lane's next step, takes
+back the trees it drafted meanwhile, through the same calls the draft service answers over gRPC.
+
+Lanes (DESIGN.md section 5): every request belongs to a lane, and a step runs one lane's
+requests. Steps take the lanes with work in turn, so with two lanes the draft drafts lane B
+(submitted at the end of B's step) while the target verifies lane A. A tree only answers the
+submission it was drafted for: a request that stepped again in between (it moved lanes, or its
+tree was late) decodes that step without one, so lane moves are safe at any time. The target
+service wraps this loop on its own thread; ``tandem generate`` drives it directly.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +39,22 @@ logger = logging.getLogger(__name__)
 
 # Without a size, a CPU pool gets this budget (capped by what max_num_seqs full contexts need).
 _CPU_KV_BYTES = 1 << 30
+MAX_LANES = 2
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one step's time went (host clock, ns)."""
+
+    total_ns: int = 0
+    forward_ns: int = 0  # the target model's forward
+    draft_wait_ns: int = 0  # in Drafter.submit/collect: the draft's work or waiting for it
+    draft_model_ns: int = 0  # the draft model's compute that this step's trees cost
+
+    @property
+    def overhead_ns(self) -> int:
+        """Everything outside model compute: host bookkeeping, serialisation, transport."""
+        return self.total_ns - self.forward_ns - self.draft_model_ns
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +120,13 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._released: list[str] = []  # finished or aborted since the draft last heard
         self._next_id = 0
+        # Per lane, the submission whose trees are not collected yet: request id -> draft_seq.
+        self._awaiting: dict[int, dict[str, int]] = {}
+        self.last_lane = MAX_LANES - 1  # the lane the last step ran (lane 0 goes first)
+        self.last_stats = SpecStats()  # the last step's verifications, all requests together
+        self.last_timing = StepTiming()
+        self._wait_ns = 0  # in the drafter's submit/collect during this step
+        self.overlapped_steps = 0  # steps whose forward ran while another lane was drafted
 
     def _num_pages(self, spec: KVCacheSpec) -> int:
         c = self.config
@@ -118,8 +149,10 @@ class Engine:
         request_id: str | None = None,
         *,
         speculate: bool = True,
+        lane: int = 0,
     ) -> str:
         vocab = self.model.config.vocab_size
+        _check_lane(lane)
         if not prompt_ids:
             raise InvalidRequest("prompt_ids", "empty prompt")
         if any(not 0 <= t < vocab for t in prompt_ids):
@@ -139,6 +172,7 @@ class Engine:
             params=params,
             generator=generator,
             speculate=speculate and self.drafter is not None,
+            lane=lane,
         )
         self.scheduler.add(req)
         self._requests[request_id] = req
@@ -150,18 +184,56 @@ class Engine:
             self._released.append(request_id)
             req.in_draft = False
 
+    def set_lane(self, request_ids: Sequence[str], lane: int) -> None:
+        """Moves requests to ``lane`` from their next step; unknown or finished ids are
+        ignored (they may have just finished)."""
+        _check_lane(lane)
+        for request_id in request_ids:
+            req = self._requests.get(request_id)
+            if req is not None and not req.finished:
+                req.lane = lane
+
+    def lane_sizes(self) -> dict[int, int]:
+        """Unfinished requests per lane."""
+        sizes: dict[int, int] = {}
+        for req in self._requests.values():
+            if not req.finished:
+                sizes[req.lane] = sizes.get(req.lane, 0) + 1
+        return sizes
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        """Steps the next lane with work (in turn): its trees, one forward, its commits."""
+        started = time.perf_counter_ns()
+        draft_model_before = self.drafter.model_ns if self.drafter is not None else 0
+        self._wait_ns = 0
+        lanes = self.scheduler.lanes_with_work()
+        if not lanes:
+            return []
+        lane = min(lanes, key=lambda n: (n - self.last_lane - 1) % MAX_LANES)
+        self.last_lane = lane
+        self.last_stats = SpecStats()
+        assert self.drafter is not None or not self._awaiting
+        for idle in [n for n in self._awaiting if n not in lanes]:
+            if not self.drafter.in_flight(idle):  # type: ignore[union-attr]
+                self._collect(idle)  # a lane emptied by moves: take its answer, don't wait
+        self._collect(lane)
+        batch = self.scheduler.schedule(lane)
         if not batch:
             return []
         decoding = [req.decoding for req in batch.requests]
         inputs = self.runner.prepare(batch)
         # Read every step: a remote draft announces its layers when it (re)connects.
         layers = self.drafter.target_layer_ids if self.drafter is not None else ()
+        if self.drafter is not None and any(
+            self.drafter.in_flight(other) for other in self._awaiting if other != lane
+        ):
+            self.overlapped_steps += 1
+        forward_started = time.perf_counter_ns()
         outputs = self.runner.forward(inputs, layers)
+        forward_ns = time.perf_counter_ns() - forward_started
         verified = self._verify(batch, inputs, outputs)
         self._commit(batch, decoding, verified)
         results = self.scheduler.postprocess(
@@ -170,7 +242,13 @@ class Engine:
             [v.logprobs if v else [] for v in verified],
         )
         if self.drafter is not None:
-            self._draft(batch, inputs, outputs, verified)
+            self._draft(lane, batch, inputs, outputs, verified)
+        self.last_timing = StepTiming(
+            total_ns=time.perf_counter_ns() - started,
+            forward_ns=forward_ns,
+            draft_wait_ns=self._wait_ns,
+            draft_model_ns=(self.drafter.model_ns - draft_model_before) if self.drafter else 0,
+        )
         return results
 
     def _verify(
@@ -203,22 +281,26 @@ class Engine:
             v = verified[i]
             if req.tree is not None and v is not None:
                 req.num_computed += len(v.accept_nodes)
-                req.stats.record(len(req.tree) - 1, len(v.accept_nodes) - 1)
+                for stats in (req.stats, self.last_stats):
+                    stats.record(len(req.tree) - 1, len(v.accept_nodes) - 1)
                 req.tree = None
             else:
                 req.num_computed += n
                 if decoding[i]:
-                    req.stats.record(0, 0)  # a decode step without a draft
+                    for stats in (req.stats, self.last_stats):
+                        stats.record(0, 0)  # a decode step without a draft
 
     def _draft(
         self,
+        lane: int,
         batch: ScheduledBatch,
         inputs: ModelInputs,
         outputs: ModelOutputs,
         verified: list[Verified | None],
     ) -> None:
-        """Sends the step's outcome to the draft and attaches the trees it returns."""
-        assert self.drafter is not None and self.spec is not None
+        """Submits the step's outcome to the draft; the trees come at the lane's next step."""
+        assert self.drafter is not None
+        self._apply_dropped()
         released = self._take_released()
         admits: list[DraftAdmit] = []
         outcomes: list[VerifyOutcome] = []
@@ -254,19 +336,31 @@ class Engine:
                     features=_rows(features, [start + n for n in v.accept_nodes]),
                 )
             )
-        trees = self.drafter.step(admits, outcomes, released)
-        for request_id in self.drafter.take_dropped():
-            lost = self._requests.get(request_id)
-            if lost is not None and lost.in_draft:
-                # Its draft state is gone (and so are its prompt features here): no more trees.
-                logger.warning("request %s: dropped by the draft; not speculating", request_id)
-                lost.in_draft = lost.speculate = False
-        updated = [a.request_id for a in admits] + [o.request_id for o in outcomes]
-        for request_id in updated:
+        awaiting: dict[str, int] = {}
+        for request_id in [a.request_id for a in admits] + [o.request_id for o in outcomes]:
             req = self._requests[request_id]
+            req.draft_seq += 1
+            awaiting[request_id] = req.draft_seq
+        started = time.perf_counter_ns()
+        self.drafter.submit(lane, admits, outcomes, released)
+        self._wait_ns += time.perf_counter_ns() - started
+        self._awaiting[lane] = awaiting
+
+    def _collect(self, lane: int) -> None:
+        """Attaches the trees answering the lane's last submission, where still current."""
+        awaiting = self._awaiting.pop(lane, None)
+        if awaiting is None:
+            return
+        assert self.drafter is not None and self.spec is not None
+        started = time.perf_counter_ns()
+        trees = self.drafter.collect(lane)
+        self._wait_ns += time.perf_counter_ns() - started
+        self._apply_dropped()
+        for request_id, seq in awaiting.items():
+            req = self._requests.get(request_id)
             tree = trees.get(request_id)
-            if tree is None or not req.in_draft:
-                continue  # no tree this step: it decodes one token
+            if tree is None or req is None or not req.in_draft or req.draft_seq != seq:
+                continue  # no tree (late draft, say), or one for a state it has left
             problem = tree.check(
                 vocab_size=self.model.config.vocab_size,
                 max_nodes=self.spec.tree_size,
@@ -277,6 +371,15 @@ class Engine:
                 continue
             room = min(self.max_model_len, len(req.prompt_ids) + req.params.max_new_tokens)
             req.tree = tree.prefix(max(1, room - req.num_computed))
+
+    def _apply_dropped(self) -> None:
+        assert self.drafter is not None
+        for request_id in self.drafter.take_dropped():
+            lost = self._requests.get(request_id)
+            if lost is not None and lost.in_draft:
+                # Its draft state is gone (and so are its prompt features here): no more trees.
+                logger.warning("request %s: dropped by the draft; not speculating", request_id)
+                lost.in_draft = lost.speculate = False
 
     def _features_complete(self, admit: DraftAdmit) -> bool:
         assert self.drafter is not None
@@ -341,11 +444,15 @@ class Engine:
         return [self.pop_finished(i) for i in ids]
 
     def flush_draft(self) -> None:
-        """Tells the draft about requests released since the last step (aborted while idle,
-        say), so it frees their pages now rather than with the next step."""
+        """Collects every lane's outstanding answer and tells the draft about requests
+        released since (aborted while idle, say), so it frees their pages now rather than
+        with the next step. Called when no request runs."""
+        for lane in list(self._awaiting):
+            self._collect(lane)
         released = self._take_released()
         if self.drafter is not None and released:
-            self.drafter.step([], [], released)
+            self.drafter.submit(self.last_lane, [], [], released)
+            self.drafter.collect(self.last_lane)
 
     def _take_released(self) -> list[str]:
         """Requests the draft must forget: finished, aborted or preempted since it last heard."""
@@ -353,6 +460,11 @@ class Engine:
         self._released.clear()
         self.scheduler.preempted.clear()
         return released
+
+
+def _check_lane(lane: int) -> None:
+    if not 0 <= lane < MAX_LANES:
+        raise InvalidRequest("lane_id", f"must be in [0, {MAX_LANES}), got {lane}")
 
 
 def _rows(features: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:

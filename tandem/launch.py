@@ -108,6 +108,7 @@ def build_stack(
     target_port: int,
     draft_port: int,
     draft_deadline_s: float = 1.0,
+    two_lane_batch: int = 16,
     extra_target_args: Sequence[str] = (),
 ) -> Stack:
     common = ["--device", device, "--dtype", dtype, "--page-size", str(page_size)]
@@ -151,6 +152,8 @@ def build_stack(
                 str(target),
                 "--port",
                 str(gateway_port),
+                "--two-lane-batch",
+                str(two_lane_batch),
             ],
             gateway_port,
         )

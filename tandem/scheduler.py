@@ -65,13 +65,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, lane: int | None = None) -> ScheduledBatch:
+        """This step's batch: the running and waiting requests of ``lane`` (all when None)."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        for req in [r for r in self.running if lane is None or r.lane == lane]:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted for an earlier request of this step
             n = min(req.num_tokens - req.num_computed, budget)
             if req.tree is not None and (
                 len(req.tree) > budget
@@ -88,22 +91,26 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
-            i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            if preempted:
-                break  # the pool is tight: let the running requests finish first
-            req = self.waiting[0]
-            n = min(req.num_tokens, budget)
+        while budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            # Waiting requests of this lane, first come first served; the pool is tight after a
+            # preemption, so the running requests finish first then.
+            new = next((r for r in self.waiting if lane is None or r.lane == lane), None)
+            if new is None:
+                break
+            n = min(new.num_tokens, budget)
             if not self.allocator.can_allocate(n):
                 break
-            self.allocator.allocate(req.request_id, n)
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            batch.requests.append(req)
+            self.allocator.allocate(new.request_id, n)
+            self.waiting.remove(new)
+            new.status = RequestStatus.RUNNING
+            self.running.append(new)
+            batch.requests.append(new)
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def lanes_with_work(self) -> set[int]:
+        return {r.lane for r in self.running} | {r.lane for r in self.waiting}
 
     def _kv_need(self, req: Request, n: int) -> int:
         return req.num_computed + n - self.allocator.num_tokens(req.request_id)

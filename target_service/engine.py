@@ -22,6 +22,7 @@ from tandem.engine import Engine
 from tandem.errors import InvalidRequest, NotFound, TandemError
 from tandem.request import FinishReason, RequestOutput
 from tandem.sampling import SamplingParams
+from tandem.spec.types import SpecStats
 from tandem.v1 import common_pb2, target_pb2
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,15 @@ class Admit:
     prompt_ids: list[int]
     params: SamplingParams
     speculate: bool
+    lane: int = 0
+
+
+@dataclass(frozen=True)
+class Move:
+    """A lane assignment: the requests step in ``lane`` from their next step."""
+
+    request_ids: list[str]
+    lane: int
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,7 @@ class TargetLoop:
         self.engine = engine
         self._status = status
         self._status_interval_s = status_interval_s
-        self._inbox: queue.Queue[Admit | Abort | Detach] = queue.Queue()
+        self._inbox: queue.Queue[Admit | Abort | Move | Detach] = queue.Queue()
         self._streams = _Streams()
         self._lock = threading.Lock()  # guards _streams.sinks (servicer adds, loop reads)
         self._stop = threading.Event()
@@ -87,7 +97,7 @@ class TargetLoop:
             self._streams.sinks[stream_id] = sink
         self._last_status = 0.0  # a new stream gets a status right away
 
-    def submit(self, command: Admit | Abort | Detach) -> None:
+    def submit(self, command: Admit | Abort | Move | Detach) -> None:
         self._inbox.put(command)
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -119,7 +129,7 @@ class TargetLoop:
             except queue.Empty:
                 return
 
-    def _apply(self, command: Admit | Abort | Detach) -> None:
+    def _apply(self, command: Admit | Abort | Move | Detach) -> None:
         if isinstance(command, Admit):
             if command.request_id in self._streams.owner:
                 error = InvalidRequest("request_id", f"{command.request_id!r} is already running")
@@ -131,6 +141,7 @@ class TargetLoop:
                     command.params,
                     command.request_id,
                     speculate=command.speculate,
+                    lane=command.lane,
                 )
             except TandemError as exc:
                 self._refuse(command.stream_id, command.request_id, exc)
@@ -139,6 +150,9 @@ class TargetLoop:
         elif isinstance(command, Abort):
             for request_id in command.request_ids:
                 self._abort(request_id, command.reason)
+        elif isinstance(command, Move):
+            # Validated by the servicer; ids that just finished are ignored.
+            self.engine.set_lane(command.request_ids, command.lane)
         else:
             owned = [r for r, s in self._streams.owner.items() if s == command.stream_id]
             for request_id in owned:
@@ -187,7 +201,14 @@ class TargetLoop:
             self._fail_all()
             return
         self._step_id += 1
-        self._send([self._commit(o) for o in outputs], step_ns=time.perf_counter_ns() - start)
+        stats = _step_stats(self.engine.last_stats)
+        timing = self.engine.last_timing
+        stats.step_ns = time.perf_counter_ns() - start
+        stats.verify_ns = timing.forward_ns
+        stats.draft_ns = timing.draft_model_ns
+        stats.wire_ns = max(0, timing.draft_wait_ns - timing.draft_model_ns)
+        stats.host_ns = max(0, stats.step_ns - timing.forward_ns - timing.draft_wait_ns)
+        self._send([self._commit(o) for o in outputs], stats, lane=self.engine.last_lane)
 
     def _commit(self, output: RequestOutput) -> target_pb2.Commit:
         commit = target_pb2.Commit(
@@ -224,7 +245,12 @@ class TargetLoop:
             )
         self._send(commits)
 
-    def _send(self, commits: list[target_pb2.Commit], step_ns: int = 0) -> None:
+    def _send(
+        self,
+        commits: list[target_pb2.Commit],
+        stats: target_pb2.StepStats | None = None,
+        lane: int = 0,
+    ) -> None:
         """Groups commits by the stream that admitted each request; finished ones are forgotten."""
         by_stream: dict[int, list[target_pb2.Commit]] = {}
         for commit in commits:
@@ -240,8 +266,9 @@ class TargetLoop:
             sink = sinks.get(stream_id)
             if sink is None:
                 continue
-            report = target_pb2.StepReport(step_id=self._step_id, commits=group)
-            report.stats.step_ns = step_ns
+            report = target_pb2.StepReport(step_id=self._step_id, lane_id=lane, commits=group)
+            if stats is not None:
+                report.stats.CopyFrom(stats)
             sink(target_pb2.ControlResponse(step=report))
 
     def _maybe_status(self) -> None:
@@ -254,3 +281,15 @@ class TargetLoop:
             sinks = list(self._streams.sinks.values())
         for sink in sinks:
             sink(message)
+
+
+def _step_stats(stats: SpecStats) -> target_pb2.StepStats:
+    """The step's verification counters (every stream gets the whole step's)."""
+    return target_pb2.StepStats(
+        batch_size=stats.verify_steps,
+        num_speculating=stats.drafts,
+        num_draft_tokens=stats.draft_tokens,
+        num_accepted_tokens=stats.accepted_tokens,
+        num_accepted_per_pos=stats.accepted_per_position,
+        num_committed_tokens=stats.accepted_tokens + stats.verify_steps,
+    )

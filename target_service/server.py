@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem import wire
+from tandem.engine import MAX_LANES
 from tandem.errors import InvalidRequest
 from tandem.request import FinishReason
 from tandem.v1 import target_pb2, target_pb2_grpc
-from target_service.engine import Abort, Admit, Detach, TargetLoop
+from target_service.engine import Abort, Admit, Detach, Move, TargetLoop
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self.loop.submit(
                     Abort(list(request.abort.request_ids), reason or FinishReason.ABORT)
                 )
+            elif which == "lane_assignment":
+                move = request.lane_assignment
+                if move.lane_id >= MAX_LANES:
+                    logger.warning("ignoring a move to lane %d of %d", move.lane_id, MAX_LANES)
+                    continue
+                self.loop.submit(Move(list(move.request_ids), move.lane_id))
             else:
                 logger.debug("ignoring control command %s (not implemented yet)", which)
 
@@ -83,6 +90,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             prompt_ids=list(admit.prompt_token_ids),
             params=params,
             speculate=speculate,
+            lane=admit.lane_id,
         )
 
     async def GetInfo(

@@ -1,4 +1,10 @@
-"""The interface every drafter implements: one call per step, as on the wire."""
+"""The interface every drafter implements: one call per step, as on the wire.
+
+The engine talks to a drafter per lane (DESIGN.md section 5): ``submit(lane, ...)`` hands over
+what the lane's verification committed, ``collect(lane)`` returns the trees for the lane's next
+step. An in-process drafter does the work inside ``submit``; the remote one only sends there,
+so the draft service drafts lane B while the target verifies lane A.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,9 @@ class Drafter(ABC):
     ``hidden_states`` numbering, concatenated in this order); empty for token-only drafts."""
 
     target_layer_ids: tuple[int, ...] = ()
+    # Time spent in draft model compute (forwards, logits, top-k) so far, host clock; for a
+    # remote draft, what its answers reported. Benchmarks subtract it from cycle times.
+    model_ns: int = 0
 
     @abstractmethod
     def step(
@@ -23,6 +32,31 @@ class Drafter(ABC):
     ) -> dict[str, Tree]:
         """Applies one step's updates and returns the next tree of each updated request. A
         request without a tree decodes without speculation this step (a late draft, say)."""
+
+    def submit(
+        self,
+        lane: int,
+        admits: Sequence[DraftAdmit],
+        outcomes: Sequence[VerifyOutcome],
+        released: Sequence[str],
+    ) -> None:
+        """Hands the draft one lane's updates; ``collect(lane)`` returns the trees. At most one
+        submission per lane is outstanding: the engine collects before it submits again."""
+        self._answers()[lane] = self.step(admits, outcomes, released)
+
+    def collect(self, lane: int) -> dict[str, Tree]:
+        """The trees answering the lane's last submission ({} when there is none, or when
+        the answer missed its deadline)."""
+        return self._answers().pop(lane, {})
+
+    def in_flight(self, lane: int) -> bool:
+        """True while the lane's last submission is still being drafted (or travelling)."""
+        return False
+
+    def _answers(self) -> dict[int, dict[str, Tree]]:
+        # Created on first use, so subclasses need not call an __init__ of this ABC.
+        answers: dict[int, dict[str, Tree]] = vars(self).setdefault("_lane_answers", {})
+        return answers
 
     def take_dropped(self) -> list[str]:
         """Requests whose draft state was lost since the last call (a full draft pool, a

@@ -20,6 +20,7 @@ step). The GPU issue's draft-loop graph replaces it for the single-module kinds.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -259,7 +260,9 @@ class ModelDrafter(Drafter):
         if module.uses_hidden:
             hidden = torch.stack([p.hidden for p in flat])  # type: ignore[misc]
         ctx = ForwardContext(kv=kv, meta=meta, backend=self.backend)
+        started = time.perf_counter_ns()
         out = module(token_ids, hidden, positions, ctx)
+        self.model_ns += time.perf_counter_ns() - started
         split = out.split([len(chunk) for chunk in pairs])
         return [list(rows.unbind(0)) for rows in split]
 
@@ -356,6 +359,7 @@ class ModelDrafter(Drafter):
     ) -> None:
         """Top-K children of every parent; the K best new candidates become the frontier."""
         module = self.modules[m]
+        started = time.perf_counter_ns()
         logits = module.compute_logits(outs)
         k = max(self.seqs[r].spec.topk for r in request_ids)
         if k == 1 and self.fast_top1:
@@ -367,6 +371,7 @@ class ModelDrafter(Drafter):
             ids, logprobs, valid = topk_ref(logits, min(k, logits.shape[-1]))
         ids = module.to_target_ids(ids)
         ids_host, logprobs_host, valid_host = ids.tolist(), logprobs.tolist(), valid.tolist()
+        self.model_ns += time.perf_counter_ns() - started
         row = 0
         for request_id, request_parents in zip(request_ids, parents, strict=True):
             pool, topk = pools[request_id], self.seqs[request_id].spec.topk

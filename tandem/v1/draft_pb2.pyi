@@ -96,7 +96,7 @@ class PromptFrames(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[_common_pb2.TensorFrame, _Mapping]]] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
-    __slots__ = ("hello", "step_id", "lane_id", "trees", "dropped_request_ids", "kv_usage", "extend_ns", "draft_ns", "total_ns")
+    __slots__ = ("hello", "step_id", "lane_id", "trees", "dropped_request_ids", "kv_usage", "extend_ns", "draft_ns", "total_ns", "model_ns")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     LANE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class SpeculateResponse(_message.Message):
     EXTEND_NS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NS_FIELD_NUMBER: _ClassVar[int]
     hello: SpeculateHello
     step_id: int
     lane_id: int
@@ -115,7 +116,8 @@ class SpeculateResponse(_message.Message):
     extend_ns: int
     draft_ns: int
     total_ns: int
-    def __init__(self, hello: _Optional[_Union[SpeculateHello, _Mapping]] = ..., step_id: _Optional[int] = ..., lane_id: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., extend_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
+    model_ns: int
+    def __init__(self, hello: _Optional[_Union[SpeculateHello, _Mapping]] = ..., step_id: _Optional[int] = ..., lane_id: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., extend_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., model_ns: _Optional[int] = ...) -> None: ...
 
 class Tree(_message.Message):
     __slots__ = ("request_id", "token_ids", "parent_indices", "draft_logprobs")

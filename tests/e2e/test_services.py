@@ -53,7 +53,9 @@ def reference(ckpts: dict[str, Path]) -> list[list[int]]:
     return ours
 
 
-def start(ckpts: dict[str, Path], tmp: Path, draft: str, *spec: str) -> Stack:
+def start(
+    ckpts: dict[str, Path], tmp: Path, draft: str, *spec: str, two_lane_batch: int = 16
+) -> Stack:
     path = ckpts["target"] if draft == "model" else ckpts[draft]
     stack = build_stack(
         target=ckpts["target"],
@@ -70,6 +72,7 @@ def start(ckpts: dict[str, Path], tmp: Path, draft: str, *spec: str) -> Stack:
         # Generous: three processes share two CPU cores here; a late draft only costs speed,
         # but these tests count drafted tokens.
         draft_deadline_s=10.0,
+        two_lane_batch=two_lane_batch,
     )
     stack.start(log_dir=tmp / "logs")
     return stack
@@ -114,15 +117,25 @@ async def server_info(port: int) -> gateway_pb2.GetServerInfoResponse:
         return await stub.GetServerInfo(gateway_pb2.GetServerInfoRequest())
 
 
+async def generate_watching_lanes(port: int) -> tuple[list[dict[str, Any]], set[int]]:
+    """Runs the streams while polling GetServerInfo; the lane counts it reported."""
+    seen: set[int] = set()
+    run = asyncio.create_task(generate(port, prompts()))
+    while not run.done():
+        seen.add(len((await server_info(port)).lanes))
+        await asyncio.sleep(0.05)
+    return await run, seen
+
+
 @pytest.mark.parametrize(
-    ("draft", "spec"),
+    ("draft", "spec", "lanes"),
     [
-        ("eagle3", ("--spec-steps", "3")),
-        ("eagle3", ("--spec-steps", "3", "--spec-topk", "4", "--spec-tokens", "8")),
-        ("model", ("--spec-steps", "4")),
-        ("model", ("--spec-steps", "3", "--spec-topk", "2", "--spec-tokens", "6")),
+        ("eagle3", ("--spec-steps", "3"), 1),
+        ("eagle3", ("--spec-steps", "3", "--spec-topk", "4", "--spec-tokens", "8"), 2),
+        ("model", ("--spec-steps", "4"), 2),
+        ("model", ("--spec-steps", "3", "--spec-topk", "2", "--spec-tokens", "6"), 1),
     ],
-    ids=["eagle3-chain", "eagle3-tree", "model-chain", "model-tree"],
+    ids=["eagle3-chain", "eagle3-tree-2lanes", "model-chain-2lanes", "model-tree"],
 )
 def test_greedy_through_the_gateway_equals_target_only(
     ckpts: dict[str, Path],
@@ -130,12 +143,15 @@ def test_greedy_through_the_gateway_equals_target_only(
     tmp_path: Path,
     draft: str,
     spec: tuple[str, ...],
+    lanes: int,
 ) -> None:
-    stack = start(ckpts, tmp_path, draft, *spec)
+    # Two lanes from 4 running requests: the 8 streams run split in two.
+    stack = start(ckpts, tmp_path, draft, *spec, two_lane_batch=4 if lanes == 2 else 16)
     try:
         gateway = stack.services[-1].port
-        results = asyncio.run(generate(gateway, prompts()))
+        results, seen = asyncio.run(generate_watching_lanes(gateway))
         assert [r["tokens"] for r in results] == reference
+        assert max(seen) == lanes, seen
         for r in results:
             usage = r["complete"].usage
             assert usage.completion_tokens == NEW_TOKENS and usage.verify_steps > 0
@@ -153,7 +169,7 @@ def test_greedy_through_the_gateway_equals_target_only(
 def test_killing_the_draft_loses_nothing(
     ckpts: dict[str, Path], reference: list[list[int]], tmp_path: Path
 ) -> None:
-    stack = start(ckpts, tmp_path, "model", "--spec-steps", "3")
+    stack = start(ckpts, tmp_path, "model", "--spec-steps", "3", two_lane_batch=4)
     draft, gateway = stack.services[0], stack.services[-1].port
     try:
 

@@ -304,6 +304,34 @@ def test_engine_with_remote_drafter_equals_target_only(server: ServerThread, ckp
         remote.close()
 
 
+def test_two_lanes_overlap_draft_and_verify(server: ServerThread, ckpts: Ckpts) -> None:
+    """With two lanes the draft service drafts one lane while the engine verifies the other:
+    steps start their forward with the other lane's answer still outstanding, and the output
+    is unchanged."""
+    prompts = [Feed(6).ids(n) for n in (3, 9, 14, 5)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    config = EngineConfig(model=ckpts.target, page_size=4)
+    reference = [r.token_ids for r in Engine(config).generate(prompts, params)]
+    remote = _remote(server.address, deadline_s=10.0)
+    try:
+        engine = Engine(config, drafter=remote, spec=SPEC)
+        ids = [engine.add_request(p, params, lane=i % 2) for i, p in enumerate(prompts)]
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        engine.flush_draft()
+        results = [engine.pop_finished(i) for i in ids]
+        assert [r.token_ids for r in results] == reference
+        assert sum(r.stats.draft_tokens for r in results) > 0
+        assert remote.fallback_steps == 0 and remote.late_steps == 0
+        # The draft's answer for the other lane usually arrives during this lane's forward.
+        assert engine.overlapped_steps > steps // 2, (engine.overlapped_steps, steps)
+        _wait(lambda: server.num_tracked() == 0)
+    finally:
+        remote.close()
+
+
 def test_bad_request_in_a_message_drops_only_that_request(server: ServerThread) -> None:
     spec = wire.spec_to_proto(SPEC)
 
