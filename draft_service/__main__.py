@@ -19,6 +19,10 @@ Every flag defaults to an environment variable (flags win):
 | ``--reflection`` | ``TANDEM_DRAFT_REFLECTION`` | off |
 | ``--grace`` | ``TANDEM_DRAFT_GRACE_S`` | 10 |
 | ``--log-level`` | ``TANDEM_DRAFT_LOG_LEVEL`` | INFO |
+| ``--metrics-port`` | ``TANDEM_DRAFT_METRICS_PORT`` | none (no /metrics) |
+| ``--tls-cert`` / ``--tls-key`` | ``TANDEM_DRAFT_TLS_CERT`` / ``_TLS_KEY`` | plain |
+| ``--tls-client-ca`` | ``TANDEM_DRAFT_TLS_CLIENT_CA`` | none |
+| ``--require-client-cert`` | ``TANDEM_DRAFT_REQUIRE_CLIENT_CERT`` | off (on = mutual TLS) |
 """
 
 from __future__ import annotations
@@ -32,8 +36,14 @@ from pathlib import Path
 
 from draft_service.config import DraftServiceConfig
 from draft_service.server import DraftServer, start
+from tandem import security, telemetry
 from tandem.config import DTYPES
-from tandem.serving import DEFAULT_MAX_MESSAGE_BYTES, configure_logging, env_default, serve
+from tandem.serving import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    configure_logging,
+    env_default,
+    serve,
+)
 from tandem.spec.build import DRAFT_KINDS, MTP_MODES, DraftConfig
 
 logger = logging.getLogger("draft_service")
@@ -71,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--grace", type=float, default=env_default("TANDEM_DRAFT_GRACE_S", 10.0))
     p.add_argument("--log-level", default=env_default("TANDEM_DRAFT_LOG_LEVEL", "INFO"))
+    telemetry.add_metrics_argument(p, env_default("TANDEM_DRAFT_METRICS_PORT", None))
+    security.add_server_tls_arguments(p, "TANDEM_DRAFT_")
     return p
 
 
@@ -97,6 +109,8 @@ def parse_config(argv: Sequence[str] | None = None) -> DraftServiceConfig:
             reflection=args.reflection,
             grace_s=args.grace,
             log_level=args.log_level,
+            tls=security.server_tls_from_args(args),
+            metrics_port=args.metrics_port,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -104,6 +118,7 @@ def parse_config(argv: Sequence[str] | None = None) -> DraftServiceConfig:
 
 async def run(config: DraftServiceConfig) -> int:
     """Serves until a signal; returns the process exit code (1 if the draft failed to load)."""
+    observability = telemetry.setup("draft_service", metrics_port=config.metrics_port)
     server: DraftServer = await start(config)
     print(f"draft service listening on {server.address}", flush=True)
     stop = asyncio.Event()
@@ -127,6 +142,7 @@ async def run(config: DraftServiceConfig) -> int:
         stop=stop,
     )
     loading.cancel()
+    observability.shutdown()
     return 1 if failed else 0
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.security import ServerTLS
 from tandem.serving import DEFAULT_MAX_MESSAGE_BYTES, format_address
 from tandem.spec.build import DraftConfig
 from tandem.spec.types import SpecConfig
+from tandem.telemetry import check_metrics_port
 
 MIN_MESSAGE_BYTES = 64 * 1024  # room for a hello, a few outcomes and one small frame
 
@@ -31,8 +33,11 @@ class DraftServiceConfig:
     reflection: bool = False  # gRPC server reflection (grpcurl); off in production
     grace_s: float = 10.0  # SIGTERM: open streams get this long before they are cut
     log_level: str = "INFO"
+    tls: ServerTLS | None = None  # TLS (mTLS with require_client_cert) on the port; None = plain
+    metrics_port: int | None = None  # Prometheus /metrics on this port; None = none
 
     def __post_init__(self) -> None:
+        check_metrics_port(self.metrics_port)
         if not self.host:
             raise ValueError("host: must not be empty")
         if not 0 <= self.port < 65536:

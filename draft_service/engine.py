@@ -80,6 +80,11 @@ class DraftEngine:
         self._tracked: dict[int, set[str]] = {}  # stream -> its request ids in the drafter
         self._dropped: dict[int, list[str]] = {}  # stream -> dropped ids not yet reported
         self._closed = False
+        self._last_kv = (0, 0)  # (pages used, total) after the last step, for gauges
+
+    def last_kv_usage(self) -> tuple[int, int]:
+        """The pool after the last step; readable from any thread without waiting."""
+        return self._last_kv
 
     @property
     def ready(self) -> bool:
@@ -197,10 +202,12 @@ class DraftEngine:
         self._route_dropped()
         dropped = self._dropped.pop(stream, [])
         tracked.difference_update(dropped)
+        kv = self._kv_usage()
+        self._last_kv = (kv.pages_used, kv.pages_total)
         return StepResult(
             trees={k[len(prefix) :]: t for k, t in trees.items() if k.startswith(prefix)},
             dropped=dropped,
-            kv_usage=self._kv_usage(),
+            kv_usage=kv,
             draft_ns=draft_ns,
             model_ns=self._drafter.model_ns - model_before,
         )
@@ -221,6 +228,8 @@ class DraftEngine:
         if ids and self._drafter is not None:
             self._drafter.step([], [], [f"{stream}/{r}" for r in ids])
             logger.info("stream %d closed: released %d requests", stream, len(ids))
+        kv = self._kv_usage()
+        self._last_kv = (kv.pages_used, kv.pages_total)
 
     def _kv_usage(self) -> KvUsage:
         drafter = self._drafter

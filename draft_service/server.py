@@ -28,9 +28,17 @@ import torch
 
 from draft_service.config import DraftServiceConfig
 from draft_service.engine import DraftEngine, DraftInfo
-from tandem import __version__, wire
+from draft_service.observe import DraftMetrics, StreamSpans
+from tandem import __version__, security, wire
 from tandem.errors import InvalidRequest
-from tandem.serving import Health, add_health, format_address, make_server, maybe_add_reflection
+from tandem.serving import (
+    Health,
+    add_health,
+    bind,
+    format_address,
+    make_server,
+    maybe_add_reflection,
+)
 from tandem.spec.types import DraftAdmit, SpecConfig, VerifyOutcome
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -223,6 +231,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         self.engine = engine
         self.config = config
         self._stream_ids = itertools.count()
+        self.metrics = DraftMetrics(engine.last_kv_usage)
 
     async def _info(self, context: grpc.aio.ServicerContext) -> DraftInfo:
         if self.engine.info is None:
@@ -238,6 +247,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         info = await self._info(context)
         stream = next(self._stream_ids)
         session = _Session(info, self.config.max_spec)
+        spans = StreamSpans()
         logger.info("stream %d opened by %s", stream, context.peer())
         try:
             first = True
@@ -245,9 +255,12 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
                 received = time.perf_counter_ns()
                 _check_hello(request, first)
                 work = session.apply(request)
+                spans.ended(work.released, "released")
+                spans.admitted(work.admits)
                 extend_ns = time.perf_counter_ns() - received
                 result = await self.engine.step(stream, work.admits, work.outcomes, work.released)
                 session.forget(result.dropped)
+                spans.ended([*work.dropped, *result.dropped], "dropped")
                 response = draft_pb2.SpeculateResponse(
                     step_id=request.step_id,
                     lane_id=request.lane_id,
@@ -266,10 +279,14 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
                     response.hello.CopyFrom(self._hello(info))
                     first = False
                 response.total_ns = time.perf_counter_ns() - received
+                self.metrics.stepped(
+                    result.trees.values(), response.total_ns / 1e9, request.lane_id
+                )
                 if request.deadline_ns and response.total_ns > request.deadline_ns:
                     logger.debug("stream %d step %d late", stream, request.step_id)
                 yield response
         finally:
+            spans.close()
             self.engine.release_stream(stream)
             logger.info("stream %d closed", stream)
 
@@ -353,9 +370,8 @@ async def start(config: DraftServiceConfig) -> DraftServer:
     draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServiceServicer(engine, config), server)
     health = add_health(server, [SERVICE_NAME])
     maybe_add_reflection(server, [SERVICE_NAME], config.reflection)
-    port = server.add_insecure_port(config.bind_address)
-    if port == 0:
-        raise OSError(f"could not bind {config.bind_address}")
+    credentials = None if config.tls is None else security.server_credentials(config.tls)
+    port = bind(server, config.bind_address, credentials)
     await server.start()
     started = DraftServer(server=server, port=port, health=health, engine=engine, config=config)
     logger.info("draft service listening on %s", started.address)

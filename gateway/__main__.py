@@ -4,6 +4,10 @@ control stream and serves `GatewayService` plus gRPC health.
 Every flag has a ``TANDEM_GATEWAY_<FLAG>`` environment default (e.g. TANDEM_GATEWAY_PORT).
 Health is NOT_SERVING while the target is not connected (at start, and whenever the stream
 breaks until it is back); SIGTERM turns it NOT_SERVING and drains open calls for ``--grace``.
+
+Security (``tandem.security``, docs/operations.md): ``--tls-cert``/``--tls-key`` put the public
+port on TLS, ``--auth-token``/``--auth-token-file`` require a bearer token on every call except
+health, ``--target-tls-*`` secure the channel to the target (mTLS with a client certificate).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServicer
 from gateway.target_client import TargetClient
-from tandem import serving
+from tandem import security, serving, telemetry
 from tandem.errors import CheckpointError
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -30,7 +34,8 @@ logger = logging.getLogger("gateway")
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 
-def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of ``python -m gateway`` with its TANDEM_GATEWAY_* default."""
     env = serving.env_default
     p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
     p.add_argument(
@@ -74,6 +79,28 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     )
     p.add_argument("--grace", type=float, default=env("TANDEM_GATEWAY_GRACE", 10.0))
     p.add_argument("--log-level", default=env("TANDEM_GATEWAY_LOG_LEVEL", "INFO"))
+    auth = p.add_argument_group("authentication (public API; health is exempt)")
+    auth.add_argument(
+        "--auth-token",
+        default=env("TANDEM_GATEWAY_AUTH_TOKEN", None),
+        help="accepted bearer token; prefer the variable or --auth-token-file (argv is visible)",
+    )
+    auth.add_argument(
+        "--auth-token-file",
+        type=Path,
+        default=env("TANDEM_GATEWAY_AUTH_TOKEN_FILE", None),
+        help="file of accepted tokens, one per line (# comments)",
+    )
+    telemetry.add_metrics_argument(p, env("TANDEM_GATEWAY_METRICS_PORT", None))
+    security.add_server_tls_arguments(p, "TANDEM_GATEWAY_")
+    security.add_client_tls_arguments(p, "target", "TANDEM_GATEWAY_")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    """Flags (and their environment defaults) -> a validated config; exits with usage on an
+    invalid value, naming the field (unreadable or mismatched TLS files included)."""
+    p = build_parser()
     a = p.parse_args(argv)
     if a.target_addr is None:
         p.error("--target-addr (or TANDEM_GATEWAY_TARGET_ADDR) is required")
@@ -91,6 +118,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             reflection=a.reflection,
             grace_s=a.grace,
             log_level=a.log_level,
+            metrics_port=a.metrics_port,
+            tls=security.server_tls_from_args(a),
+            auth_tokens=security.load_tokens(a.auth_token, a.auth_token_file),
+            target_tls=security.client_tls_from_args(a, "target"),
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -127,7 +158,8 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
     background (health turns SERVING when it does)."""
     if tokenizer is None:
         tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer)
-    server = serving.make_server(max_message_bytes=config.max_message_bytes)
+    auth = [security.BearerTokenAuth(config.auth_tokens)] if config.auth_tokens else []
+    server = serving.make_server(max_message_bytes=config.max_message_bytes, interceptors=auth)
     health = serving.add_health(server, [SERVICE_NAME])
 
     async def on_connection_change(connected: bool) -> None:
@@ -138,18 +170,21 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
         on_connection_change=on_connection_change,
         rpc_timeout_s=config.target_timeout_s,
         max_message_bytes=config.max_message_bytes,
+        tls=config.target_tls,
     )
     admission = Admission(max_running=config.max_running, max_queue=config.max_queue)
     servicer = GatewayServicer(config, tokenizer, client, admission)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
     serving.maybe_add_reflection(server, [SERVICE_NAME], config.reflection)
-    port = server.add_insecure_port(serving.format_address(config.host, config.port))
+    credentials = None if config.tls is None else security.server_credentials(config.tls)
+    port = serving.bind(server, serving.format_address(config.host, config.port), credentials)
     await server.start()
     await client.start()
     return Gateway(server=server, port=port, health=health, client=client, servicer=servicer)
 
 
 async def main(config: GatewayConfig) -> None:
+    observability = telemetry.setup("gateway", metrics_port=config.metrics_port)
     gateway = await start_gateway(config)
     logger.info(
         "gateway on %s, target %s",
@@ -160,6 +195,7 @@ async def main(config: GatewayConfig) -> None:
     await serving.serve(
         gateway.server, gateway.health, grace=config.grace_s, on_shutdown=gateway.client.close
     )
+    observability.shutdown()
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.security import MIN_TOKEN_CHARS, ClientTLS, ServerTLS
 from tandem.serving import parse_address
+from tandem.telemetry import check_metrics_port
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -30,8 +32,14 @@ class GatewayConfig:
     target_timeout_s: float = 5.0  # unary calls to the target (GetInfo)
     max_message_bytes: int = 64 << 20
     two_lane_batch: int = 16  # two lanes from this many running requests; 0 = always one
+    tls: ServerTLS | None = None  # TLS on the public port; None = plain
+    # Accepted bearer tokens for the public API (health exempt); empty = no authentication.
+    auth_tokens: tuple[str, ...] = field(default=(), repr=False)
+    target_tls: ClientTLS | None = None  # TLS (mTLS with cert/key) to the target; None = plain
+    metrics_port: int | None = None  # Prometheus /metrics on this port; None = none
 
     def __post_init__(self) -> None:
+        check_metrics_port(self.metrics_port)
         try:
             _, target_port = parse_address(self.target_addr)
         except ValueError:
@@ -65,3 +73,6 @@ class GatewayConfig:
             raise ValueError(f"two_lane_batch: must be >= 0, got {self.two_lane_batch}")
         if self.max_message_bytes < 1 << 20:
             raise ValueError("max_message_bytes: must be at least 1 MiB")
+        object.__setattr__(self, "auth_tokens", tuple(self.auth_tokens))
+        if any(len(token) < MIN_TOKEN_CHARS for token in self.auth_tokens):
+            raise ValueError(f"auth_tokens: each needs at least {MIN_TOKEN_CHARS} characters")

@@ -22,12 +22,13 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
-from opentelemetry import propagate
+from opentelemetry import propagate, trace
 
 from gateway.admission import Admission, Overloaded, Withdrawn
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
 from gateway.lanes import LanePlanner, Move
+from gateway.observe import GatewayObserver
 from gateway.target_client import TargetClient, TargetUnavailable
 from tandem import __version__, wire
 from tandem.errors import InvalidRequest
@@ -57,6 +58,7 @@ class Job:
     first_chunk_ns: int = 0
     completion_ids: list[int] = field(default_factory=list)  # ids streamed to the client
     admitted: bool = False  # sent to the target
+    span: trace.Span | None = None  # the request's span, until it ends
     aborting: bool = False  # an Abort call asked for it
     finished: bool = False  # its last message is decided
 
@@ -163,6 +165,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.started_ns = time.monotonic_ns()
         self._jobs: dict[str, Job] = {}  # queued or running, by request id
         self.lanes = LanePlanner(config.two_lane_batch)  # by target id
+        self.observe = GatewayObserver(
+            model=lambda: self.client.info.model_id if self.client.info else "",
+            queue=lambda: (self.admission.num_running, self.admission.num_waiting),
+        )
         self._seq = itertools.count(1)
 
     async def Generate(
@@ -184,10 +190,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         except TargetUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self._jobs[job.request_id] = job
+        job.span = self.observe.start(job.request_id, job.admit)
         try:
             async for response in self._run(job, context):
                 yield response
         finally:
+            if job.span is not None:  # ended without a completion: an error or a cancel
+                usage = common_pb2.Usage(
+                    prompt_tokens=len(job.prompt_ids), completion_tokens=len(job.completion_ids)
+                )
+                self._end_span(job, common_pb2.FINISH_REASON_ABORT, usage, "no completion sent")
             del self._jobs[job.request_id]
             self.admission.release(job.request_id)
             if job.admitted and not job.finished:
@@ -209,6 +221,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             return
         lane, moves = self.lanes.admit(job.target_id)
         job.admit.lane_id = lane
+        if job.span is not None:
+            job.span.add_event("admitted", {"tandem.lane": lane})
         try:
             stream = self.client.admit(job.admit)
         except TargetUnavailable as exc:
@@ -246,6 +260,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         ),
                     )
                 reason = f"{error.field}: {error.message}" if error.field else error.message
+                usage = common_pb2.Usage(
+                    prompt_tokens=len(job.prompt_ids), completion_tokens=len(job.completion_ids)
+                )
+                self._end_span(job, common_pb2.FINISH_REASON_ERROR, usage, f"{code.name} {reason}")
                 await context.abort(code, reason or "the target failed the request")
             if stops.matched is None:
                 chunk = self._chunk(job, commit, detokenizer, stops)
@@ -292,6 +310,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         job.completion_ids.extend(token_ids)
         if job.first_chunk_ns == 0:
             job.first_chunk_ns = time.monotonic_ns()
+            if job.span is not None:
+                job.span.add_event("first_token")
         chunk = gateway_pb2.GenerateChunk(
             token_ids=token_ids,
             text=text if job.detokenize else "",
@@ -328,7 +348,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             complete.stop_token_id = last
         reason = common_pb2.FinishReason.Name(complete.finish_reason)
         logger.info("request %s: %s, %d tokens", job.request_id, reason, len(job.completion_ids))
+        self._end_span(job, complete.finish_reason, usage)
         return gateway_pb2.GenerateResponse(request_id=job.request_id, complete=complete)
+
+    def _end_span(
+        self,
+        job: Job,
+        reason: common_pb2.FinishReason,
+        usage: common_pb2.Usage,
+        error: str | None = None,
+    ) -> None:
+        if job.span is None:
+            return
+        span, job.span = job.span, None
+        self.observe.finish(
+            span,
+            reason,
+            usage,
+            received_ns=job.received_ns,
+            first_chunk_ns=job.first_chunk_ns,
+            now_ns=time.monotonic_ns(),
+            error=error,
+        )
 
     async def _overloaded(self, context: grpc.aio.ServicerContext, message: str) -> None:
         retry = error_details_pb2.RetryInfo()

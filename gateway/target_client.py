@@ -21,6 +21,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 
 from tandem import serving
 from tandem.errors import TandemError
+from tandem.security import ClientTLS, open_channel
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -69,8 +70,10 @@ class TargetClient:
         rpc_timeout_s: float = 5.0,
         backoff_max_s: float = 2.0,
         max_message_bytes: int = serving.DEFAULT_MAX_MESSAGE_BYTES,
+        tls: ClientTLS | None = None,
     ) -> None:
         self.address = address
+        self.tls = tls  # TLS (mTLS with a client certificate) to the target; None = plain
         self._on_connection_change = on_connection_change
         self._rpc_timeout_s = rpc_timeout_s
         self._backoff_max_s = backoff_max_s
@@ -102,7 +105,7 @@ class TargetClient:
         if self._task is not None:
             raise RuntimeError("TargetClient already started")
         options = [*serving.channel_options(self._max_message_bytes), *_RECONNECT_OPTIONS]
-        self._channel = grpc.aio.insecure_channel(self.address, options=options)
+        self._channel = open_channel(self.address, tls=self.tls, options=options)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
         self._task = asyncio.create_task(self._run(), name="target-control")
 

@@ -52,6 +52,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 
 from tandem import wire
 from tandem.errors import InvalidRequest
+from tandem.security import ClientTLS, open_channel
 from tandem.serving import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from tandem.spec.base import Drafter
 from tandem.spec.types import DraftAdmit, Tree, VerifyOutcome
@@ -95,6 +96,7 @@ class RemoteDrafter(Drafter):
         connect_timeout_s: float = 5.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         model_id: str = "",
+        tls: ClientTLS | None = None,
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
         max_backlog: int = 8,
@@ -107,6 +109,7 @@ class RemoteDrafter(Drafter):
         self.connect_timeout_s = connect_timeout_s
         self.max_message_bytes = max_message_bytes
         self.model_id = model_id
+        self.tls = tls  # TLS (mTLS with a client certificate) to the draft; None = plain
         self.max_backlog = max_backlog
         self._backoff = wait_exponential_jitter(
             multiplier=backoff_initial_s, max=backoff_max_s, jitter=backoff_initial_s
@@ -430,8 +433,8 @@ class RemoteDrafter(Drafter):
         logger.log(level, "draft at %s: %s; retrying", self.address, _describe(exc))
 
     async def _connect_once(self) -> None:
-        channel = grpc.aio.insecure_channel(
-            self.address, options=channel_options(self.max_message_bytes)
+        channel = open_channel(
+            self.address, tls=self.tls, options=channel_options(self.max_message_bytes)
         )
         try:
             stub = draft_pb2_grpc.DraftServiceStub(channel)

@@ -150,6 +150,7 @@ class Engine:
         *,
         speculate: bool = True,
         lane: int = 0,
+        trace_context: dict[str, str] | None = None,
     ) -> str:
         vocab = self.model.config.vocab_size
         _check_lane(lane)
@@ -173,6 +174,7 @@ class Engine:
             generator=generator,
             speculate=speculate and self.drafter is not None,
             lane=lane,
+            trace_context=trace_context or {},
         )
         self.scheduler.add(req)
         self._requests[request_id] = req
@@ -402,6 +404,7 @@ class Engine:
             features=features,
             spec=self.spec,
             temperature=req.params.temperature,
+            trace_context=req.trace_context,
         )
 
     def pop_finished(self, request_id: str) -> GenerationResult:

@@ -48,7 +48,7 @@ class Stack:
                 [sys.executable, "-m", svc.module, *svc.args],
                 stdout=out,
                 stderr=subprocess.STDOUT if out is not None else None,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=service_env(),
             )
             wait_serving(svc, ready_timeout_s)
             if on_ready is not None:
@@ -70,6 +70,20 @@ class Stack:
 
     def dead(self) -> list[Service]:
         return [s for s in self.services if s.proc is not None and s.proc.poll() is not None]
+
+
+def service_env() -> dict[str, str]:
+    """The services' environment: ours, unbuffered, and traces off unless an exporter or an
+    OTLP endpoint is configured (a laptop has no collector; docs/operations.md)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    otlp = (
+        "OTEL_TRACES_EXPORTER",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    )
+    if not any(env.get(name) for name in otlp):
+        env["OTEL_TRACES_EXPORTER"] = "none"
+    return env
 
 
 def wait_serving(svc: Service, timeout_s: float) -> None:

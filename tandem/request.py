@@ -43,6 +43,7 @@ class Request:
     tree: Tree | None = None  # the draft's proposal for the next step, node 0 = tokens[-1]
     in_draft: bool = False  # the draft tracks it (admitted after its prompt, until released)
     lane: int = 0  # the group it steps with (DESIGN.md section 5)
+    trace_context: dict[str, str] = field(default_factory=dict)  # for the draft's span
     draft_seq: int = 0  # submissions to the draft so far; a tree answers the latest one only
     # Target features of the prompt positions, gathered chunk by chunk for the draft.
     draft_features: list[torch.Tensor] = field(default_factory=list)

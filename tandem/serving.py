@@ -173,12 +173,33 @@ def make_server(
     maximum_concurrent_rpcs: int | None = None,
 ) -> grpc.aio.Server:
     """A grpc.aio server with :func:`server_options` and the :class:`ErrorInterceptor` first
-    (outermost), followed by ``interceptors``. Call it inside the loop that will serve it."""
+    (outermost), followed by ``interceptors`` (e.g. ``security.BearerTokenAuth``). Call it
+    inside the loop that will serve it; :func:`bind` adds its listening port."""
     return grpc.aio.server(
         interceptors=[ErrorInterceptor(), *interceptors],
         options=server_options(max_message_bytes),
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
+
+
+def bind(
+    server: grpc.aio.Server,
+    address: str,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Listens on ``address`` (``HOST:PORT``, port 0 = any free one): TLS with
+    ``credentials`` (``security.server_credentials``), plain without. Returns the bound port;
+    OSError naming the address when it cannot listen."""
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+        raise OSError(f"cannot listen on {address}: {exc}") from None
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    return port
 
 
 class Health(health_aio.HealthServicer):

@@ -2,6 +2,8 @@
 
 Every flag has a ``TANDEM_TARGET_<FLAG>`` environment default (e.g. TANDEM_TARGET_PORT).
 Health is NOT_SERVING until the model is loaded and a warm-up step ran; SIGTERM drains.
+``--tls-cert``/``--tls-key`` (+ ``--tls-client-ca --require-client-cert`` for mutual TLS) secure
+the port; ``--draft-tls-*`` the channel to the draft (``tandem.security``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from tandem import __version__, serving
+from tandem import __version__, security, serving, telemetry
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
@@ -33,7 +35,8 @@ _KINDS = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> TargetServiceConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of ``python -m target_service`` with its TANDEM_TARGET_* default."""
     env = serving.env_default
     p = argparse.ArgumentParser(prog="python -m target_service", description=__doc__)
     p.add_argument("--target", type=Path, default=env("TANDEM_TARGET_TARGET", None))
@@ -57,10 +60,27 @@ def parse_args(argv: list[str] | None = None) -> TargetServiceConfig:
     p.add_argument("--reflection", action="store_true")
     p.add_argument("--grace", type=float, default=float(env("TANDEM_TARGET_GRACE", "10")))
     p.add_argument("--log-level", default=env("TANDEM_LOG_LEVEL", "INFO"))
+    telemetry.add_metrics_argument(p, env("TANDEM_TARGET_METRICS_PORT", None))
+    security.add_server_tls_arguments(p, "TANDEM_TARGET_")
+    security.add_client_tls_arguments(p, "draft", "TANDEM_TARGET_")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TargetServiceConfig:
+    """Flags (and their environment defaults) -> a validated config; exits with usage on an
+    invalid value, naming the field (unreadable or mismatched TLS files included)."""
+    p = build_parser()
     a = p.parse_args(argv)
     if a.target is None:
         p.error("--target (or TANDEM_TARGET_TARGET) is required")
     serving.configure_logging(a.log_level)
+    try:
+        return _config(a)
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+def _config(a: argparse.Namespace) -> TargetServiceConfig:
     spec = None
     if a.draft_addr:
         tokens = None if a.spec_tokens is None else int(a.spec_tokens)
@@ -82,10 +102,14 @@ def parse_args(argv: list[str] | None = None) -> TargetServiceConfig:
         draft_deadline_s=a.draft_deadline,
         reflection=a.reflection,
         grace_s=a.grace,
+        tls=security.server_tls_from_args(a),
+        draft_tls=security.client_tls_from_args(a, "draft"),
+        metrics_port=a.metrics_port,
     )
 
 
 async def main(config: TargetServiceConfig) -> None:
+    observability = telemetry.setup("target_service", metrics_port=config.metrics_port)
     server = serving.make_server(max_message_bytes=config.max_message_bytes)
     health = serving.add_health(server)
     drafter = None
@@ -95,7 +119,10 @@ async def main(config: TargetServiceConfig) -> None:
 
         layers = ModelConfig.from_pretrained(config.model_dir).num_layers
         drafter = RemoteDrafter(
-            config.draft_addr, num_target_layers=layers, deadline_s=config.draft_deadline_s
+            config.draft_addr,
+            num_target_layers=layers,
+            deadline_s=config.draft_deadline_s,
+            tls=config.draft_tls,
         )
     engine = await asyncio.to_thread(Engine, config.engine, drafter=drafter, spec=config.spec)
     loop = TargetLoop(
@@ -110,7 +137,8 @@ async def main(config: TargetServiceConfig) -> None:
         [target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name],
         config.reflection,
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    credentials = None if config.tls is None else security.server_credentials(config.tls)
+    port = serving.bind(server, serving.format_address(config.host, config.port), credentials)
     await server.start()
     await asyncio.to_thread(warm_up, engine)
     loop.start()
@@ -125,6 +153,7 @@ async def main(config: TargetServiceConfig) -> None:
             drafter.close()
 
     await serving.serve(server, health, grace=config.grace_s, on_shutdown=shutdown)
+    observability.shutdown()
 
 
 def warm_up(engine: Engine) -> None:

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.config import EngineConfig
+from tandem.security import ClientTLS, ServerTLS
 from tandem.spec.build import DRAFT_KINDS
 from tandem.spec.types import SpecConfig
+from tandem.telemetry import check_metrics_port
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,8 +25,12 @@ class TargetServiceConfig:
     reflection: bool = False
     grace_s: float = 10.0  # SIGTERM: drain this long before exiting
     max_message_bytes: int = 64 << 20
+    tls: ServerTLS | None = None  # TLS (mTLS with require_client_cert) on the port; None = plain
+    draft_tls: ClientTLS | None = None  # TLS (mTLS with cert/key) to the draft; None = plain
+    metrics_port: int | None = None  # Prometheus /metrics on this port; None = none
 
     def __post_init__(self) -> None:
+        check_metrics_port(self.metrics_port)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a port number")
         if (self.draft_addr is None) != (self.spec is None):
@@ -35,6 +41,8 @@ class TargetServiceConfig:
             raise ValueError("draft_deadline_s: must be > 0")
         if self.grace_s < 0:
             raise ValueError("grace_s: must be >= 0")
+        if self.draft_tls is not None and self.draft_addr is None:
+            raise ValueError("draft_tls: TLS settings for a draft, but no draft_addr")
 
     @property
     def model_dir(self) -> Path:

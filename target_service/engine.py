@@ -24,6 +24,7 @@ from tandem.request import FinishReason, RequestOutput
 from tandem.sampling import SamplingParams
 from tandem.spec.types import SpecStats
 from tandem.v1 import common_pb2, target_pb2
+from target_service.observe import TargetObserver
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Admit:
     params: SamplingParams
     speculate: bool
     lane: int = 0
+    trace_context: dict[str, str] = field(default_factory=dict)  # the gateway's request span
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ class TargetLoop:
         self._thread = threading.Thread(target=self._run, name="target-engine", daemon=True)
         self._step_id = 0
         self._last_status = 0.0
+        self.observe = TargetObserver(
+            engine, fallbacks=lambda: getattr(engine.drafter, "fallback_steps", 0)
+        )
 
     # -- called from the event loop ----------------------------------------------------
 
@@ -135,6 +140,7 @@ class TargetLoop:
                 error = InvalidRequest("request_id", f"{command.request_id!r} is already running")
                 self._refuse(command.stream_id, command.request_id, error)
                 return
+            carrier = self.observe.admitted(command.request_id, command.trace_context, command.lane)
             try:
                 self.engine.add_request(
                     command.prompt_ids,
@@ -142,8 +148,10 @@ class TargetLoop:
                     command.request_id,
                     speculate=command.speculate,
                     lane=command.lane,
+                    trace_context=carrier,
                 )
             except TandemError as exc:
+                self.observe.failed([command.request_id], str(exc))
                 self._refuse(command.stream_id, command.request_id, exc)
                 return
             self._streams.owner[command.request_id] = command.stream_id
@@ -166,6 +174,13 @@ class TargetLoop:
         except NotFound:
             return  # already finished: its last commit is on its way
         result = self.engine.pop_finished(request_id)
+        self.observe.finished(
+            request_id,
+            reason.value,
+            result.stats,
+            len(result.prompt_ids),
+            len(result.token_ids),
+        )
         commit = target_pb2.Commit(
             request_id=request_id,
             finish_reason=wire.finish_reason_to_proto(reason),
@@ -193,14 +208,24 @@ class TargetLoop:
 
     def _step(self) -> None:
         start = time.perf_counter_ns()
+        step_span = self.observe.maybe_step_span()
         try:
             outputs = self.engine.step()
         except Exception:
             # A bug, not a bad request: fail what is running rather than hang it.
             logger.exception("engine step failed; failing the running requests")
+            if step_span is not None:
+                step_span.end()
             self._fail_all()
             return
         self._step_id += 1
+        self.observe.stepped(
+            outputs,
+            self.engine.last_stats,
+            self.engine.last_timing,
+            self.engine.last_lane,
+            step_span,
+        )
         stats = _step_stats(self.engine.last_stats)
         timing = self.engine.last_timing
         stats.step_ns = time.perf_counter_ns() - start
@@ -218,6 +243,13 @@ class TargetLoop:
         )
         if output.finished:
             result = self.engine.pop_finished(output.request_id)
+            self.observe.finished(
+                output.request_id,
+                result.finish_reason.value,
+                result.stats,
+                len(result.prompt_ids),
+                len(result.token_ids),
+            )
             commit.finish_reason = wire.finish_reason_to_proto(result.finish_reason)
             commit.usage.CopyFrom(
                 wire.usage_to_proto(result.stats, len(result.prompt_ids), len(result.token_ids))
@@ -227,6 +259,7 @@ class TargetLoop:
     def _fail_all(self) -> None:
         scheduler = self.engine.scheduler
         ids = [r.request_id for r in (*scheduler.running, *scheduler.waiting)]
+        self.observe.failed(ids, "target step failed")
         commits = []
         for request_id in ids:
             try:

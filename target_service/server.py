@@ -91,6 +91,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             params=params,
             speculate=speculate,
             lane=admit.lane_id,
+            trace_context=dict(admit.trace_context.carrier),
         )
 
     async def GetInfo(

@@ -109,6 +109,7 @@ class DraftAdmit:
     features: torch.Tensor | None  # [L-1, F] target features; None for drafts that need none
     spec: SpecConfig
     temperature: float = 0.0
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C carrier of its span
 
 
 @dataclass(kw_only=True)

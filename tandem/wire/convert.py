@@ -204,6 +204,7 @@ def admit_to_proto(
         verified_token_id=admit.token_ids[-1],
         sampling=common_pb2.SamplingParams(temperature=admit.temperature),
         speculation=spec_to_proto(admit.spec),
+        trace_context=common_pb2.TraceContext(carrier=admit.trace_context),
     )
     if admit.features is None:
         return msg, None
@@ -240,6 +241,7 @@ def admit_from_proto(
         features=features,
         spec=spec,
         temperature=sampling.temperature,
+        trace_context=dict(msg.trace_context.carrier),
     )
 
 
