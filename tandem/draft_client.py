@@ -41,9 +41,8 @@ import enum
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -51,6 +50,7 @@ import torch
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
 from tandem import wire
+from tandem.draft_stream import StreamState
 from tandem.errors import InvalidRequest
 from tandem.security import ClientTLS, open_channel
 from tandem.serving import DEFAULT_MAX_MESSAGE_BYTES, channel_options
@@ -132,16 +132,11 @@ class RemoteDrafter(Drafter):
         self._reader: asyncio.Task[None] | None = None
         self._connector: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()  # one write at a time on the stream
-        self._tracked: dict[str, int] = {}  # request id -> committed tokens (draft's count)
-        # Prompts not fully sent, in admission order: an admit not sent yet, or the frames
-        # still to send of one that was.
-        self._outbox: dict[str, DraftAdmit | deque[common_pb2.TensorFrame]] = {}
+        self._stream = StreamState(budget=0, frame_bytes=0, hidden_dtype=torch.float32)
         self._waiters: dict[int, asyncio.Future[draft_pb2.SpeculateResponse | None] | None] = {}
         self._discard: set[int] = set()  # unanswered steps whose answers nobody waits for
         self._lanes: dict[int, _Submission | None] = {}  # engine thread: lane -> uncollected
         self._next_step = 1
-        self._hidden_dtype = torch.float32
-        self._budget = self._frame_bytes = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="draft-client")
         self._thread.daemon = True
@@ -214,7 +209,7 @@ class RemoteDrafter(Drafter):
         return dropped
 
     def num_tracked(self) -> int:
-        return len(self._tracked)
+        return len(self._stream.tracked)
 
     def close(self) -> None:
         """Ends the stream (the draft frees this client's requests) and stops the thread."""
@@ -244,7 +239,11 @@ class RemoteDrafter(Drafter):
         if call is None:
             self._report_dropped([a.request_id for a in admits])
             return 0, None
-        request = self._build_request(lane, admits, outcomes, released)
+        request = draft_pb2.SpeculateRequest(
+            step_id=self._next_step, lane_id=lane, deadline_ns=int(self.deadline_s * 1e9)
+        )
+        self._next_step += 1
+        self._stream.build(request, admits, outcomes, released)
         if len(self._waiters) >= self.max_backlog:
             self._broken(f"{len(self._waiters)} steps unanswered")
             return 0, None
@@ -280,73 +279,6 @@ class RemoteDrafter(Drafter):
         self.model_ns += response.model_ns
         return self._trees(response)
 
-    def _build_request(
-        self,
-        lane: int,
-        admits: list[DraftAdmit],
-        outcomes: list[VerifyOutcome],
-        released: list[str],
-    ) -> draft_pb2.SpeculateRequest:
-        request = draft_pb2.SpeculateRequest(
-            step_id=self._next_step,
-            lane_id=lane,
-            deadline_ns=int(self.deadline_s * 1e9),
-        )
-        self._next_step += 1
-        for request_id in released:
-            unsent = isinstance(self._outbox.pop(request_id, None), DraftAdmit)
-            if self._tracked.pop(request_id, None) is not None and not unsent:
-                request.released_request_ids.append(request_id)
-        for admit in admits:  # a re-admission starts over at the draft too
-            self._outbox.pop(admit.request_id, None)
-            self._outbox[admit.request_id] = admit
-            self._tracked[admit.request_id] = len(admit.token_ids)
-        for outcome in outcomes:
-            request_id = outcome.request_id
-            if request_id not in self._tracked:
-                continue  # dropped earlier; the engine stops sending it after take_dropped
-            self._tracked[request_id] += len(outcome.accepted_token_ids) + 1
-            queued = self._outbox.get(request_id)
-            if isinstance(queued, DraftAdmit):
-                self._outbox[request_id] = _merge(queued, outcome)
-                continue
-            request.outcomes.append(
-                wire.outcome_to_proto(
-                    replace(outcome, features=self._cast(outcome.features)),
-                    self._tracked[request_id],
-                    max_frame_bytes=self._frame_bytes,
-                )
-            )
-        self._add_prompts(request)
-        return request
-
-    def _add_prompts(self, request: draft_pb2.SpeculateRequest) -> None:
-        """Moves prompts from the outbox into the message while it has room, in order: an
-        admit leaves with its first frame; at least one item goes per message."""
-        size, empty = request.ByteSize(), True
-        while self._outbox:
-            request_id, entry = next(iter(self._outbox.items()))
-            must = False  # a just-admitted request's first frame goes with it
-            if isinstance(entry, DraftAdmit):
-                admit = replace(entry, features=self._cast(entry.features))
-                msg, prompt = wire.admit_to_proto(admit, self._frame_bytes)
-                entry = deque(prompt.frames if prompt is not None else ())
-                first = entry[0].ByteSize() + 16 if entry else 0
-                if not empty and size + msg.ByteSize() + first + 16 > self._budget:
-                    return
-                request.new_requests.append(msg)
-                size, empty, must = size + msg.ByteSize() + 16, False, True
-                self._outbox[request_id] = entry
-            part = draft_pb2.PromptFrames(request_id=request_id)
-            while entry and (must or empty or size + entry[0].ByteSize() + 16 <= self._budget):
-                part.frames.append(entry.popleft())
-                size, empty, must = size + part.frames[-1].ByteSize() + 16, False, False
-            if part.frames:
-                request.prompt_frames.append(part)
-            if entry:
-                return  # the rest follows in the lane's next message
-            del self._outbox[request_id]
-
     def _trees(self, response: draft_pb2.SpeculateResponse) -> dict[str, Tree]:
         trees: dict[str, Tree] = {}
         for i, msg in enumerate(response.trees):
@@ -355,13 +287,9 @@ class RemoteDrafter(Drafter):
             except InvalidRequest as exc:
                 logger.warning("draft sent a malformed tree: %s", exc)
                 continue
-            if request_id in self._tracked:
+            if request_id in self._stream.tracked:
                 trees[request_id] = tree
         return trees
-
-    def _cast(self, features: torch.Tensor | None) -> torch.Tensor | None:
-        """Features in the dtype the draft asked for (bf16 halves the bytes on the wire)."""
-        return None if features is None else features.to(self._hidden_dtype)
 
     # -- loop thread: the stream -----------------------------------------------------------
 
@@ -380,29 +308,27 @@ class RemoteDrafter(Drafter):
 
     def _on_response(self, response: draft_pb2.SpeculateResponse) -> None:
         dropped = list(response.dropped_request_ids)
-        for request_id in dropped:
-            self._tracked.pop(request_id, None)
-            self._outbox.pop(request_id, None)
+        self._stream.forget(dropped)
         self._report_dropped(dropped)
         self.kv_usage = response.kv_usage
         if response.step_id not in self._waiters:
             logger.warning("draft answered unknown step %d", response.step_id)
             return
         waiter = self._waiters.pop(response.step_id)
-        if response.step_id in self._discard:
-            self._discard.discard(response.step_id)
+        late = response.step_id in self._discard
+        self._discard.discard(response.step_id)
+        if not self._discard and self._state is DraftState.UNHEALTHY:
+            self._set_state(DraftState.HEALTHY)  # before the counter: readers poll it
+        if late:
             self.late_responses += 1  # its step already gave up: discard the trees
         elif waiter is not None and not waiter.done():
             waiter.set_result(response)
-        if not self._discard and self._state is DraftState.UNHEALTHY:
-            self._set_state(DraftState.HEALTHY)
 
     def _broken(self, reason: str) -> None:
         """Forgets the stream: every tracked request is dropped; reconnects in the background."""
         logger.warning("draft stream to %s lost (%s); reconnecting", self.address, reason)
-        self._report_dropped(list(self._tracked))
-        self._tracked.clear()
-        self._outbox.clear()
+        self._report_dropped(list(self._stream.tracked))
+        self._stream = StreamState(budget=0, frame_bytes=0, hidden_dtype=torch.float32)
         for waiter in self._waiters.values():
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
@@ -458,12 +384,14 @@ class RemoteDrafter(Drafter):
             raise
         self.info = info
         self.target_layer_ids = layer_ids
-        self._hidden_dtype = wire.torch_dtype(info.hidden_dtype) if layer_ids else torch.float32
         peer_max = min(
             first.hello.max_message_bytes or self.max_message_bytes, self.max_message_bytes
         )
-        self._budget = peer_max - max(1024, peer_max // 16)
-        self._frame_bytes = min(wire.MAX_FRAME_BYTES, peer_max // 4)
+        self._stream = StreamState(
+            budget=peer_max - max(1024, peer_max // 16),
+            frame_bytes=min(wire.MAX_FRAME_BYTES, peer_max // 4),
+            hidden_dtype=wire.torch_dtype(info.hidden_dtype) if layer_ids else torch.float32,
+        )
         self._channel, self._call = channel, call
         self._reader = self._loop.create_task(self._read(call))
         self.connects += 1
@@ -523,15 +451,6 @@ class RemoteDrafter(Drafter):
         if request_ids:
             with self._dropped_lock:
                 self._dropped.extend(request_ids)
-
-
-def _merge(admit: DraftAdmit, outcome: VerifyOutcome) -> DraftAdmit:
-    """The admit of the tokens after ``outcome`` (features [len(token_ids) - 1, F])."""
-    features = admit.features
-    if features is not None and outcome.features is not None:
-        features = torch.cat([features, outcome.features.to(features.dtype)])
-    tokens = [*admit.token_ids, *outcome.accepted_token_ids, outcome.bonus_token_id]
-    return replace(admit, token_ids=tokens, features=features)
 
 
 def _describe(exc: BaseException | None) -> str:

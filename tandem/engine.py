@@ -32,7 +32,8 @@ from tandem.runner import ModelInputs, ModelOutputs, ModelRunner
 from tandem.sampling import SamplingParams, make_generator
 from tandem.scheduler import ScheduledBatch, Scheduler
 from tandem.spec.base import Drafter
-from tandem.spec.types import DraftAdmit, SpecConfig, SpecStats, VerifyOutcome
+from tandem.spec.exchange import DraftExchange
+from tandem.spec.types import SpecConfig, SpecStats
 from tandem.spec.verify import Verified, compact, verify
 
 logger = logging.getLogger(__name__)
@@ -120,12 +121,18 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._released: list[str] = []  # finished or aborted since the draft last heard
         self._next_id = 0
-        # Per lane, the submission whose trees are not collected yet: request id -> draft_seq.
-        self._awaiting: dict[int, dict[str, int]] = {}
+        self.exchange: DraftExchange | None = None
+        if drafter is not None and spec is not None:
+            self.exchange = DraftExchange(
+                drafter,
+                spec,
+                self._requests,
+                vocab_size=mc.vocab_size,
+                max_model_len=self.max_model_len,
+            )
         self.last_lane = MAX_LANES - 1  # the lane the last step ran (lane 0 goes first)
         self.last_stats = SpecStats()  # the last step's verifications, all requests together
         self.last_timing = StepTiming()
-        self._wait_ns = 0  # in the drafter's submit/collect during this step
         self.overlapped_steps = 0  # steps whose forward ran while another lane was drafted
 
     def _num_pages(self, spec: KVCacheSpec) -> int:
@@ -210,18 +217,18 @@ class Engine:
         """Steps the next lane with work (in turn): its trees, one forward, its commits."""
         started = time.perf_counter_ns()
         draft_model_before = self.drafter.model_ns if self.drafter is not None else 0
-        self._wait_ns = 0
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.wait_ns = 0
         lanes = self.scheduler.lanes_with_work()
         if not lanes:
             return []
         lane = min(lanes, key=lambda n: (n - self.last_lane - 1) % MAX_LANES)
         self.last_lane = lane
         self.last_stats = SpecStats()
-        assert self.drafter is not None or not self._awaiting
-        for idle in [n for n in self._awaiting if n not in lanes]:
-            if not self.drafter.in_flight(idle):  # type: ignore[union-attr]
-                self._collect(idle)  # a lane emptied by moves: take its answer, don't wait
-        self._collect(lane)
+        if exchange is not None:
+            exchange.collect_idle(lanes)
+            exchange.collect(lane)
         batch = self.scheduler.schedule(lane)
         if not batch:
             return []
@@ -229,9 +236,7 @@ class Engine:
         inputs = self.runner.prepare(batch)
         # Read every step: a remote draft announces its layers when it (re)connects.
         layers = self.drafter.target_layer_ids if self.drafter is not None else ()
-        if self.drafter is not None and any(
-            self.drafter.in_flight(other) for other in self._awaiting if other != lane
-        ):
+        if exchange is not None and exchange.other_lane_in_flight(lane):
             self.overlapped_steps += 1
         forward_started = time.perf_counter_ns()
         outputs = self.runner.forward(inputs, layers)
@@ -243,12 +248,12 @@ class Engine:
             [v.new_tokens if v else [] for v in verified],
             [v.logprobs if v else [] for v in verified],
         )
-        if self.drafter is not None:
-            self._draft(lane, batch, inputs, outputs, verified)
+        if exchange is not None:
+            exchange.submit(lane, batch, inputs, outputs, verified, self._take_released())
         self.last_timing = StepTiming(
             total_ns=time.perf_counter_ns() - started,
             forward_ns=forward_ns,
-            draft_wait_ns=self._wait_ns,
+            draft_wait_ns=exchange.wait_ns if exchange is not None else 0,
             draft_model_ns=(self.drafter.model_ns - draft_model_before) if self.drafter else 0,
         )
         return results
@@ -291,121 +296,6 @@ class Engine:
                 if decoding[i]:
                     for stats in (req.stats, self.last_stats):
                         stats.record(0, 0)  # a decode step without a draft
-
-    def _draft(
-        self,
-        lane: int,
-        batch: ScheduledBatch,
-        inputs: ModelInputs,
-        outputs: ModelOutputs,
-        verified: list[Verified | None],
-    ) -> None:
-        """Submits the step's outcome to the draft; the trees come at the lane's next step."""
-        assert self.drafter is not None
-        self._apply_dropped()
-        released = self._take_released()
-        admits: list[DraftAdmit] = []
-        outcomes: list[VerifyOutcome] = []
-        features = outputs.features
-        for i, req in enumerate(batch.requests):
-            if not req.speculate:
-                continue
-            if req.finished:
-                if req.in_draft:
-                    released.append(req.request_id)
-                    req.in_draft = False
-                continue
-            start, v = inputs.token_starts[i], verified[i]
-            if not req.in_draft:
-                # A prompt chunk: keep its features; once the prompt is done, admit it.
-                if features is not None:
-                    req.draft_features.append(features[start : start + batch.num_new_tokens[i]])
-                if v is not None:
-                    admit = self._admit(req)
-                    if self._features_complete(admit):
-                        admits.append(admit)
-                    else:
-                        # Features were not captured for the whole prompt (the draft connected
-                        # while it was being prefilled): this request decodes without a draft.
-                        req.in_draft = req.speculate = False
-                continue
-            assert v is not None, "a request the draft tracks ran without verification"
-            outcomes.append(
-                VerifyOutcome(
-                    request_id=req.request_id,
-                    accepted_token_ids=v.new_tokens[:-1],
-                    bonus_token_id=v.new_tokens[-1],
-                    features=_rows(features, [start + n for n in v.accept_nodes]),
-                )
-            )
-        awaiting: dict[str, int] = {}
-        for request_id in [a.request_id for a in admits] + [o.request_id for o in outcomes]:
-            req = self._requests[request_id]
-            req.draft_seq += 1
-            awaiting[request_id] = req.draft_seq
-        started = time.perf_counter_ns()
-        self.drafter.submit(lane, admits, outcomes, released)
-        self._wait_ns += time.perf_counter_ns() - started
-        self._awaiting[lane] = awaiting
-
-    def _collect(self, lane: int) -> None:
-        """Attaches the trees answering the lane's last submission, where still current."""
-        awaiting = self._awaiting.pop(lane, None)
-        if awaiting is None:
-            return
-        assert self.drafter is not None and self.spec is not None
-        started = time.perf_counter_ns()
-        trees = self.drafter.collect(lane)
-        self._wait_ns += time.perf_counter_ns() - started
-        self._apply_dropped()
-        for request_id, seq in awaiting.items():
-            req = self._requests.get(request_id)
-            tree = trees.get(request_id)
-            if tree is None or req is None or not req.in_draft or req.draft_seq != seq:
-                continue  # no tree (late draft, say), or one for a state it has left
-            problem = tree.check(
-                vocab_size=self.model.config.vocab_size,
-                max_nodes=self.spec.tree_size,
-                verified_token=req.tokens[-1],
-            )
-            if problem is not None:
-                logger.warning("request %s: draft tree rejected (%s)", req.request_id, problem)
-                continue
-            room = min(self.max_model_len, len(req.prompt_ids) + req.params.max_new_tokens)
-            req.tree = tree.prefix(max(1, room - req.num_computed))
-
-    def _apply_dropped(self) -> None:
-        assert self.drafter is not None
-        for request_id in self.drafter.take_dropped():
-            lost = self._requests.get(request_id)
-            if lost is not None and lost.in_draft:
-                # Its draft state is gone (and so are its prompt features here): no more trees.
-                logger.warning("request %s: dropped by the draft; not speculating", request_id)
-                lost.in_draft = lost.speculate = False
-
-    def _features_complete(self, admit: DraftAdmit) -> bool:
-        assert self.drafter is not None
-        if not self.drafter.target_layer_ids:
-            return True
-        needed = len(admit.token_ids) - 1
-        return admit.features is not None and admit.features.shape[0] == needed
-
-    def _admit(self, req: Request) -> DraftAdmit:
-        assert self.spec is not None
-        features = None
-        if req.draft_features:
-            # Prompt positions only: the verified token's own features are not known yet.
-            features = torch.cat(req.draft_features)[: req.num_tokens - 1]
-        req.draft_features = []
-        req.in_draft = True
-        return DraftAdmit(
-            request_id=req.request_id,
-            token_ids=req.tokens,
-            features=features,
-            spec=self.spec,
-            temperature=req.params.temperature,
-            trace_context=req.trace_context,
-        )
 
     def pop_finished(self, request_id: str) -> GenerationResult:
         req = self._requests.pop(request_id)
@@ -450,12 +340,9 @@ class Engine:
         """Collects every lane's outstanding answer and tells the draft about requests
         released since (aborted while idle, say), so it frees their pages now rather than
         with the next step. Called when no request runs."""
-        for lane in list(self._awaiting):
-            self._collect(lane)
         released = self._take_released()
-        if self.drafter is not None and released:
-            self.drafter.submit(self.last_lane, [], [], released)
-            self.drafter.collect(self.last_lane)
+        if self.exchange is not None:
+            self.exchange.flush(released, self.last_lane)
 
     def _take_released(self) -> list[str]:
         """Requests the draft must forget: finished, aborted or preempted since it last heard."""
@@ -468,8 +355,3 @@ class Engine:
 def _check_lane(lane: int) -> None:
     if not 0 <= lane < MAX_LANES:
         raise InvalidRequest("lane_id", f"must be in [0, {MAX_LANES}), got {lane}")
-
-
-def _rows(features: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
-    """The captured target features of the given flat token rows ([len(rows), F])."""
-    return None if features is None else features[rows]

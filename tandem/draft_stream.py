@@ -1,0 +1,113 @@
+"""What one Speculate stream has told the draft, on the target's side: the requests it tracks
+(with the committed length the draft counts) and the prompts not fully sent yet.
+
+``build(...)`` turns one lane's step into a SpeculateRequest: released ids the draft knows of,
+new admits queued in order, outcomes (merged into the admit when the admit has not gone out yet:
+an admit of L tokens plus an outcome of k accepted tokens is the admit of L + k + 1 tokens) and
+as many prompt frames as fit in one message; an admit leaves with its first frame and the rest
+follow in the next messages, whatever their lane (the draft applies messages in stream order).
+Features travel in the dtype the draft asked for. A new stream starts with a new state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+
+import torch
+
+from tandem import wire
+from tandem.spec.types import DraftAdmit, VerifyOutcome
+from tandem.v1 import common_pb2, draft_pb2
+
+
+class StreamState:
+    def __init__(self, *, budget: int, frame_bytes: int, hidden_dtype: torch.dtype) -> None:
+        self.budget = budget  # bytes one message may take
+        self.frame_bytes = frame_bytes  # bytes one tensor frame may take
+        self.hidden_dtype = hidden_dtype
+        self.tracked: dict[str, int] = {}  # request id -> committed tokens (draft's count)
+        # Prompts not fully sent, in admission order: an admit not sent yet, or the frames
+        # still to send of one that was.
+        self.outbox: dict[str, DraftAdmit | deque[common_pb2.TensorFrame]] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests the draft dropped."""
+        for request_id in request_ids:
+            self.tracked.pop(request_id, None)
+            self.outbox.pop(request_id, None)
+
+    def build(
+        self,
+        request: draft_pb2.SpeculateRequest,
+        admits: list[DraftAdmit],
+        outcomes: list[VerifyOutcome],
+        released: list[str],
+    ) -> draft_pb2.SpeculateRequest:
+        """Fills ``request`` (step id, lane and deadline set) with one lane's step."""
+        for request_id in released:
+            unsent = isinstance(self.outbox.pop(request_id, None), DraftAdmit)
+            if self.tracked.pop(request_id, None) is not None and not unsent:
+                request.released_request_ids.append(request_id)
+        for admit in admits:  # a re-admission starts over at the draft too
+            self.outbox.pop(admit.request_id, None)
+            self.outbox[admit.request_id] = admit
+            self.tracked[admit.request_id] = len(admit.token_ids)
+        for outcome in outcomes:
+            request_id = outcome.request_id
+            if request_id not in self.tracked:
+                continue  # dropped earlier; the engine stops sending it after take_dropped
+            self.tracked[request_id] += len(outcome.accepted_token_ids) + 1
+            queued = self.outbox.get(request_id)
+            if isinstance(queued, DraftAdmit):
+                self.outbox[request_id] = _merge(queued, outcome)
+                continue
+            request.outcomes.append(
+                wire.outcome_to_proto(
+                    replace(outcome, features=self._cast(outcome.features)),
+                    self.tracked[request_id],
+                    max_frame_bytes=self.frame_bytes,
+                )
+            )
+        self._add_prompts(request)
+        return request
+
+    def _add_prompts(self, request: draft_pb2.SpeculateRequest) -> None:
+        """Moves prompts from the outbox into the message while it has room, in order: an
+        admit leaves with its first frame; at least one item goes per message."""
+        size, empty = request.ByteSize(), True
+        while self.outbox:
+            request_id, entry = next(iter(self.outbox.items()))
+            must = False  # a just-admitted request's first frame goes with it
+            if isinstance(entry, DraftAdmit):
+                admit = replace(entry, features=self._cast(entry.features))
+                msg, prompt = wire.admit_to_proto(admit, self.frame_bytes)
+                entry = deque(prompt.frames if prompt is not None else ())
+                first = entry[0].ByteSize() + 16 if entry else 0
+                if not empty and size + msg.ByteSize() + first + 16 > self.budget:
+                    return
+                request.new_requests.append(msg)
+                size, empty, must = size + msg.ByteSize() + 16, False, True
+                self.outbox[request_id] = entry
+            part = draft_pb2.PromptFrames(request_id=request_id)
+            while entry and (must or empty or size + entry[0].ByteSize() + 16 <= self.budget):
+                part.frames.append(entry.popleft())
+                size, empty, must = size + part.frames[-1].ByteSize() + 16, False, False
+            if part.frames:
+                request.prompt_frames.append(part)
+            if entry:
+                return  # the rest follows in the next message
+            del self.outbox[request_id]
+
+    def _cast(self, features: torch.Tensor | None) -> torch.Tensor | None:
+        """Features in the dtype the draft asked for (bf16 halves the bytes on the wire)."""
+        return None if features is None else features.to(self.hidden_dtype)
+
+
+def _merge(admit: DraftAdmit, outcome: VerifyOutcome) -> DraftAdmit:
+    """The admit of the tokens after ``outcome`` (features [len(token_ids) - 1, F])."""
+    features = admit.features
+    if features is not None and outcome.features is not None:
+        features = torch.cat([features, outcome.features.to(features.dtype)])
+    tokens = [*admit.token_ids, *outcome.accepted_token_ids, outcome.bonus_token_id]
+    return replace(admit, token_ids=tokens, features=features)

@@ -1,0 +1,180 @@
+"""The engine's side of the draft conversation (DESIGN.md sections 3 and 5).
+
+After a lane's step, ``submit`` hands the draft what the verification committed: admits for
+requests whose prompt just finished (with the prompt's target features), outcomes (accepted
+tokens, bonus token, the accepted path's features) and released ids. At the lane's next step,
+``collect`` attaches the trees that came back. A tree answers only the submission it was
+drafted for (``Request.draft_seq``): a request that stepped again in between (it moved lanes,
+or its tree was late) decodes that step without one, never with a stale one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tandem.request import Request
+from tandem.runner import ModelInputs, ModelOutputs
+from tandem.scheduler import ScheduledBatch
+from tandem.spec.base import Drafter
+from tandem.spec.types import DraftAdmit, SpecConfig, VerifyOutcome
+from tandem.spec.verify import Verified
+
+logger = logging.getLogger(__name__)
+
+
+class DraftExchange:
+    def __init__(
+        self,
+        drafter: Drafter,
+        spec: SpecConfig,
+        requests: dict[str, Request],
+        *,
+        vocab_size: int,
+        max_model_len: int,
+    ) -> None:
+        self.drafter = drafter
+        self.spec = spec
+        self._requests = requests  # the engine's, by id
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # Per lane, the submission whose trees are not collected yet: request id -> draft_seq.
+        self.awaiting: dict[int, dict[str, int]] = {}
+        self.wait_ns = 0  # time in the drafter's submit/collect since the engine reset it
+
+    def other_lane_in_flight(self, lane: int) -> bool:
+        """Whether another lane's trees are being drafted right now."""
+        return any(self.drafter.in_flight(other) for other in self.awaiting if other != lane)
+
+    def collect_idle(self, busy: set[int]) -> None:
+        """Takes the answers of lanes that have no work any more (emptied by moves), without
+        waiting for ones still being drafted."""
+        for idle in [n for n in self.awaiting if n not in busy]:
+            if not self.drafter.in_flight(idle):
+                self.collect(idle)
+
+    def flush(self, released: list[str], lane: int) -> None:
+        """Collects every outstanding answer; then tells the draft about ``released``."""
+        for waiting in list(self.awaiting):
+            self.collect(waiting)
+        if released:
+            self.drafter.submit(lane, [], [], released)
+            self.drafter.collect(lane)
+
+    def submit(
+        self,
+        lane: int,
+        batch: ScheduledBatch,
+        inputs: ModelInputs,
+        outputs: ModelOutputs,
+        verified: list[Verified | None],
+        released: list[str],
+    ) -> None:
+        """Submits the step's outcome to the draft; the trees come at the lane's next step.
+        ``released``: requests finished, aborted or preempted since the draft last heard."""
+        self._apply_dropped()
+        admits: list[DraftAdmit] = []
+        outcomes: list[VerifyOutcome] = []
+        features = outputs.features
+        for i, req in enumerate(batch.requests):
+            if not req.speculate:
+                continue
+            if req.finished:
+                if req.in_draft:
+                    released.append(req.request_id)
+                    req.in_draft = False
+                continue
+            start, v = inputs.token_starts[i], verified[i]
+            if not req.in_draft:
+                # A prompt chunk: keep its features; once the prompt is done, admit it.
+                if features is not None:
+                    req.draft_features.append(features[start : start + batch.num_new_tokens[i]])
+                if v is not None:
+                    admit = self._admit(req)
+                    if self._features_complete(admit):
+                        admits.append(admit)
+                    else:
+                        # Features were not captured for the whole prompt (the draft connected
+                        # while it was being prefilled): this request decodes without a draft.
+                        req.in_draft = req.speculate = False
+                continue
+            assert v is not None, "a request the draft tracks ran without verification"
+            outcomes.append(
+                VerifyOutcome(
+                    request_id=req.request_id,
+                    accepted_token_ids=v.new_tokens[:-1],
+                    bonus_token_id=v.new_tokens[-1],
+                    features=_rows(features, [start + n for n in v.accept_nodes]),
+                )
+            )
+        awaiting: dict[str, int] = {}
+        for request_id in [a.request_id for a in admits] + [o.request_id for o in outcomes]:
+            req = self._requests[request_id]
+            req.draft_seq += 1
+            awaiting[request_id] = req.draft_seq
+        started = time.perf_counter_ns()
+        self.drafter.submit(lane, admits, outcomes, released)
+        self.wait_ns += time.perf_counter_ns() - started
+        self.awaiting[lane] = awaiting
+
+    def collect(self, lane: int) -> None:
+        """Attaches the trees answering the lane's last submission, where still current."""
+        awaiting = self.awaiting.pop(lane, None)
+        if awaiting is None:
+            return
+        started = time.perf_counter_ns()
+        trees = self.drafter.collect(lane)
+        self.wait_ns += time.perf_counter_ns() - started
+        self._apply_dropped()
+        for request_id, seq in awaiting.items():
+            req = self._requests.get(request_id)
+            tree = trees.get(request_id)
+            if tree is None or req is None or not req.in_draft or req.draft_seq != seq:
+                continue  # no tree (late draft, say), or one for a state it has left
+            problem = tree.check(
+                vocab_size=self.vocab_size,
+                max_nodes=self.spec.tree_size,
+                verified_token=req.tokens[-1],
+            )
+            if problem is not None:
+                logger.warning("request %s: draft tree rejected (%s)", req.request_id, problem)
+                continue
+            room = min(self.max_model_len, len(req.prompt_ids) + req.params.max_new_tokens)
+            req.tree = tree.prefix(max(1, room - req.num_computed))
+
+    def _apply_dropped(self) -> None:
+        for request_id in self.drafter.take_dropped():
+            lost = self._requests.get(request_id)
+            if lost is not None and lost.in_draft:
+                # Its draft state is gone (and so are its prompt features here): no more trees.
+                logger.warning("request %s: dropped by the draft; not speculating", request_id)
+                lost.in_draft = lost.speculate = False
+
+    def _features_complete(self, admit: DraftAdmit) -> bool:
+        if not self.drafter.target_layer_ids:
+            return True
+        needed = len(admit.token_ids) - 1
+        return admit.features is not None and admit.features.shape[0] == needed
+
+    def _admit(self, req: Request) -> DraftAdmit:
+        features = None
+        if req.draft_features:
+            # Prompt positions only: the verified token's own features are not known yet.
+            features = torch.cat(req.draft_features)[: req.num_tokens - 1]
+        req.draft_features = []
+        req.in_draft = True
+        return DraftAdmit(
+            request_id=req.request_id,
+            token_ids=req.tokens,
+            features=features,
+            spec=self.spec,
+            temperature=req.params.temperature,
+            trace_context=req.trace_context,
+        )
+
+
+def _rows(features: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
+    """The captured target features of the given flat token rows ([len(rows), F])."""
+    return None if features is None else features[rows]
