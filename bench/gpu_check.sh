@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The one GPU call: environment, GPU tests, the CPU suite on the GPU image's versions (torch
-# 2.11, transformers 5.17, grpcio 1.84) and, as they land, benchmarks. Prints a short table;
-# full logs go to $OUT. Usage on the device machine, from the repo root: bash bench/gpu_check.sh
+# The GPU call: environment, GPU tests, kernel benchmarks and (on request) the CPU suite on the
+# GPU image's versions (torch 2.11, transformers 5.17, grpcio 1.84). Prints a short table; full
+# logs go to $OUT. Usage on the device machine, from the repo root:
+#
+#   bash bench/gpu_check.sh [SECTION ...]     sections: gpu kernels cpu (default: gpu kernels)
+#
+# Wheels the image lacks travel in .whl/ (bench/device_wheels.sh makes it; carry ".whl").
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
@@ -10,24 +14,51 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+sections=("$@")
+[ ${#sections[@]} -eq 0 ] && sections=(gpu kernels)
+want() { [[ " ${sections[*]} " == *" $1 "* ]]; }
 
 python3 - <<'PY' | tee "$OUT/env.txt"
-import grpc, google.protobuf, torch, transformers
+import grpc, google.protobuf, torch, transformers, triton
 from tandem.v1 import common_pb2_grpc, draft_pb2_grpc, gateway_pb2_grpc, target_pb2_grpc  # noqa
 name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-print(f"device {name} | torch {torch.__version__} | transformers {transformers.__version__} | "
-      f"grpcio {grpc.__version__} | protobuf {google.protobuf.__version__} | stubs import")
+print(f"device {name} | torch {torch.__version__} | triton {triton.__version__} | "
+      f"transformers {transformers.__version__} | grpcio {grpc.__version__} | "
+      f"protobuf {google.protobuf.__version__} | stubs import")
 PY
 
 status() { if [ "$1" -eq 0 ]; then echo pass; else echo "FAIL($1)"; fi; }
-python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.log" 2>&1
-gpu_rc=$?
-# test_protos regenerates stubs with grpcio-tools and runs buf: neither is on the GPU image.
-python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/unit/test_protos.py -m "not gpu" \
-  > "$OUT/cpu_suite.log" 2>&1
-cpu_rc=$?
+rows=()
+row() { rows+=("$(printf '%-44s %-8s %s' "$1" "$(status "$2")" "$(tail -n 1 "$3")")"); }
+rc_all=0
 
-printf '%-40s %-8s %s\n' "check" "result" "summary"
-printf '%-40s %-8s %s\n' "GPU tests (-m gpu)" "$(status $gpu_rc)" "$(tail -n 1 "$OUT/gpu_tests.log")"
-printf '%-40s %-8s %s\n' "CPU suite on the GPU image" "$(status $cpu_rc)" "$(tail -n 1 "$OUT/cpu_suite.log")"
-[ "$gpu_rc" -eq 0 ] && [ "$cpu_rc" -eq 0 ]
+if want gpu; then
+  # GPU tests (kernels vs references on CUDA, model parity, spec parity through the kernels),
+  # then the small kernel comparisons compiled on CUDA instead of interpreted.
+  # tests/deploy needs cryptography (not on the image) and holds no GPU test.
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/deploy \
+    > "$OUT/gpu_tests.log" 2>&1
+  rc=$?; row "GPU tests (-m gpu)" $rc "$OUT/gpu_tests.log"; rc_all=$((rc_all | rc))
+  python3 -m pytest -q -p no:cacheprovider tests/kernels > "$OUT/kernels_compiled.log" 2>&1
+  rc=$?; row "kernel tests compiled on CUDA" $rc "$OUT/kernels_compiled.log"; rc_all=$((rc_all | rc))
+fi
+if want kernels; then
+  python3 bench/kernels_bench.py > "$OUT/kernels_bench.txt" 2>&1
+  rc=$?; row "bench/kernels_bench.py" $rc "$OUT/kernels_bench.txt"; rc_all=$((rc_all | rc))
+  python3 bench/attention_bench.py > "$OUT/attention_bench.txt" 2>&1
+  rc=$?; row "bench/attention_bench.py" $rc "$OUT/attention_bench.txt"; rc_all=$((rc_all | rc))
+fi
+if want cpu; then
+  # test_protos regenerates stubs with grpcio-tools and runs buf: neither is on the GPU image.
+  python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/unit/test_protos.py \
+    --ignore=tests/deploy -m "not gpu" \
+    > "$OUT/cpu_suite.log" 2>&1
+  rc=$?; row "CPU suite on the GPU image" $rc "$OUT/cpu_suite.log"; rc_all=$((rc_all | rc))
+fi
+
+printf '%-44s %-8s %s\n' "check" "result" "summary"
+printf '%s\n' "${rows[@]}"
+for f in "$OUT"/kernels_bench.txt "$OUT"/attention_bench.txt; do
+  [ -f "$f" ] && { echo; echo "== $(basename "$f")"; cat "$f"; }
+done
+exit $rc_all

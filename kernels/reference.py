@@ -65,13 +65,22 @@ def _online_top1(x: Tensor, chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
     return m, d, idx
 
 
-def _prepare_logits(logits: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """Validate `logits` [R, V]; return it in fp32 with bad entries at -inf, and `valid` [R]."""
+def _check_logits(logits: Tensor, chunk_size: int) -> None:
     _expect_float(logits, "logits", (-1, -1))
     if logits.shape[1] < 1:
         raise ValueError("logits: the vocabulary must not be empty")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _check_k(k: int, vocab: int) -> None:
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k must be in [1, {vocab}], got {k}")
+
+
+def _prepare_logits(logits: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """Validate `logits` [R, V]; return it in fp32 with bad entries at -inf, and `valid` [R]."""
+    _check_logits(logits, chunk_size)
     x = logits.float()  # [R, V]
     bad = torch.isnan(x) | (x == float("inf"))  # [R, V]
     return x.masked_fill(bad, _NEG_INF), ~bad.any(dim=1)
@@ -101,8 +110,7 @@ def topk_ref(logits: Tensor, k: int, *, chunk_size: int = 4096) -> tuple[Tensor,
     logprobs -inf. The normaliser comes from the same online pass, so k == 1 equals `top1_ref`.
     """
     x, valid = _prepare_logits(logits, chunk_size)  # [R, V], [R]
-    if not 1 <= k <= x.shape[1]:
-        raise ValueError(f"k must be in [1, {x.shape[1]}], got {k}")
+    _check_k(k, x.shape[1])
     m, d, _ = _online_top1(x, chunk_size)
     valid = valid & (m > _NEG_INF)
     # A stable descending sort keeps equal values in ascending id order.
@@ -114,6 +122,30 @@ def topk_ref(logits: Tensor, k: int, *, chunk_size: int = 4096) -> tuple[Tensor,
     return ids, logprobs, valid
 
 
+def _check_sample(logits: Tensor, temperature: Tensor, noise: Tensor) -> None:
+    _check_logits(logits, 1)
+    _expect_float(temperature, "temperature", (logits.shape[0],))
+    _expect_float(noise, "noise", tuple(logits.shape))
+
+
+def sample_ref(logits: Tensor, temperature: Tensor, noise: Tensor) -> Tensor:
+    """The next token of every row from processed logits, without a host sync
+    (`tandem.sampling.sample` after `process_logits`).
+
+    `logits` [R, V] (filtered entries -inf; computed in fp32), `temperature` [R] (> 0 samples,
+    otherwise greedy; the logits already carry it), `noise` [R, V] Exp(1) samples (read for
+    sampled rows only; clamped away from 0 by the caller) -> `ids` [R] int64. Greedy rows take
+    the argmax (lowest id among ties; torch ranks NaN highest, so a NaN row gives its first
+    NaN). Sampled rows run the exponential race argmax(softmax(x) / noise): P(v) = p(v), and a
+    token with p = 0 is never drawn; a row with a NaN or +inf, or all -inf, gives 0.
+    """
+    _check_sample(logits, temperature, noise)
+    x = logits.float()  # [R, V]
+    greedy_ids = x.argmax(dim=-1)  # [R]
+    race = x.softmax(dim=-1).div_(noise)  # [R, V]
+    return torch.where(temperature > 0, race.argmax(dim=-1), greedy_ids)
+
+
 # --------------------------------------------------------------------------- trees
 
 
@@ -122,14 +154,35 @@ def _real_nodes(num_nodes: Tensor, n: int) -> Tensor:
     return torch.arange(n, device=num_nodes.device)[None, :] < num_nodes[:, None]
 
 
-def _check_num_nodes(num_nodes: Tensor, bs: int, n: int) -> None:
+def _check_num_nodes(num_nodes: Tensor, bs: int, n: int, *, values: bool = True) -> None:
+    """Shapes and dtypes always; with `values`, the entries too (a host read of the tensors)."""
     _expect(num_nodes, "num_nodes", (bs,), torch.int64)
     if n < 1:
         raise ValueError("trees need at least one node (N >= 1)")
+    if not values:
+        return
     bad = (num_nodes < 1) | (num_nodes > n)
     if bad.any():
         b = int(bad.nonzero()[0, 0])
         raise ValueError(f"request {b}: num_nodes = {int(num_nodes[b])} is outside [1, {n}]")
+
+
+def _check_tree(parents: Tensor, num_nodes: Tensor, *, values: bool = True) -> None:
+    """Validation of `build_tree_ref`'s arguments (`values` as in `_check_num_nodes`)."""
+    _expect(parents, "parents", (-1, -1), torch.int64)
+    bs, n = parents.shape
+    _check_num_nodes(num_nodes, bs, n, values=values)
+    if not values:
+        return
+    node = torch.arange(n, device=parents.device)  # [N]
+    real = _real_nodes(num_nodes, n)  # [bs, N]
+    if (parents[:, 0] != -1).any():
+        b = int((parents[:, 0] != -1).nonzero()[0, 0])
+        raise ValueError(f"request {b}, node 0: parent must be -1, got {int(parents[b, 0])}")
+    bad = real & (node > 0) & ((parents < 0) | (parents >= node))
+    if bad.any():
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"request {b}, node {i}: parent {int(parents[b, i])} not in [0, {i})")
 
 
 def build_tree_ref(parents: Tensor, num_nodes: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -141,19 +194,9 @@ def build_tree_ref(parents: Tensor, num_nodes: Tensor) -> tuple[Tensor, Tensor, 
     `first_child` [bs, N] and `next_sibling` [bs, N] int64 (-1 = none, siblings ascending).
     Raises ValueError naming the request and node of an invalid tree.
     """
-    _expect(parents, "parents", (-1, -1), torch.int64)
+    _check_tree(parents, num_nodes)
     bs, n = parents.shape
-    _check_num_nodes(num_nodes, bs, n)
-    node = torch.arange(n, device=parents.device)  # [N]
     real = _real_nodes(num_nodes, n)  # [bs, N]
-    if (parents[:, 0] != -1).any():
-        b = int((parents[:, 0] != -1).nonzero()[0, 0])
-        raise ValueError(f"request {b}, node 0: parent must be -1, got {int(parents[b, 0])}")
-    bad = real & (node > 0) & ((parents < 0) | (parents >= node))
-    if bad.any():
-        b, i = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(f"request {b}, node {i}: parent {int(parents[b, i])} not in [0, {i})")
-
     rows = torch.arange(bs, device=parents.device)  # [bs]
     depth = torch.zeros(bs, n, dtype=torch.int64, device=parents.device)
     mask = torch.zeros(bs, n, n, dtype=torch.bool, device=parents.device)
@@ -174,16 +217,55 @@ def build_tree_ref(parents: Tensor, num_nodes: Tensor) -> tuple[Tensor, Tensor, 
     return depth, mask, first_child, next_sibling
 
 
-def _check_links(first_child: Tensor, next_sibling: Tensor, num_nodes: Tensor, width: int) -> None:
+def _link_depths(first_child: Tensor, next_sibling: Tensor, real: Tensor) -> Tensor:
+    """[bs, N] depths as a walk in node order over forward links assigns them: node x sets
+    depth[first_child[x]] = depth[x] + 1, then depth[next_sibling[x]] = depth[x]; a node linked
+    twice keeps its last writer's value, an unlinked one 0.
+
+    Every writer of y is a node below y, so depth[y] = depth[w] + step(w -> y) for y's last
+    writer w: a forest walked by pointer jumping in log2(N) batched rounds, not N steps.
+    """
+    bs, n = first_child.shape
+    dev = first_child.device
+    node = torch.arange(n, device=dev)  # [N]
+    links = torch.stack([first_child, next_sibling], dim=2)  # [bs, N, 2]
+    order = torch.stack([2 * node, 2 * node + 1], dim=1).expand(bs, n, 2)  # the walk's order
+    live = real[:, :, None] & (links >= 0)  # [bs, N, 2]
+    target = torch.where(live, links, n).reshape(bs, 2 * n)  # dead links land in column N
+    keys = torch.where(live, order, -1).reshape(bs, 2 * n)
+    last = torch.full((bs, n + 1), -1, dtype=torch.int64, device=dev)
+    last = last.scatter_reduce_(1, target, keys, "amax")[:, :n]  # [bs, N] last writer's key
+    linked = last >= 0
+    ptr = torch.where(linked, last // 2, node)  # roots point to themselves
+    depth = torch.where(linked, 1 - last % 2, 0)  # first_child adds 1, next_sibling 0
+    for _ in range(max(1, (n - 1).bit_length())):
+        depth = depth + depth.gather(1, ptr)
+        ptr = ptr.gather(1, ptr)
+    return depth
+
+
+def _check_links(
+    first_child: Tensor,
+    next_sibling: Tensor,
+    num_nodes: Tensor,
+    width: int,
+    *,
+    values: bool = True,
+) -> None:
     """Validate child links as `build_tree_ref` writes them, and the accept width.
 
     Links of real nodes must point forward inside the request (x < link < num_nodes[b]), which
     also bounds every walk. `width` must be >= max depth + 1 so any accepted path fits.
+    Without `values` only shapes, dtypes and width >= 1 are checked.
     """
     _expect(first_child, "first_child", (-1, -1), torch.int64)
     bs, n = first_child.shape
     _expect(next_sibling, "next_sibling", (bs, n), torch.int64)
-    _check_num_nodes(num_nodes, bs, n)
+    _check_num_nodes(num_nodes, bs, n, values=values)
+    if not values:
+        if width < 1:
+            raise ValueError(f"accept_width {width} < max depth + 1 >= 1")
+        return
     node = torch.arange(n, device=first_child.device)  # [N]
     real = _real_nodes(num_nodes, n)  # [bs, N]
     for name, link in (("first_child", first_child), ("next_sibling", next_sibling)):
@@ -194,16 +276,28 @@ def _check_links(first_child: Tensor, next_sibling: Tensor, num_nodes: Tensor, w
             raise ValueError(f"request {b}, node {i}: {name} {link_to} not -1 or in ({i}, {limit})")
     if (next_sibling[:, 0] != -1).any():
         raise ValueError("node 0 cannot have a next sibling")
-    # Every node is linked from a smaller one, so depths settle in one pass in node order.
-    rows = torch.arange(bs, device=first_child.device)
-    depth = torch.zeros(bs, n, dtype=torch.int64, device=first_child.device)
-    for x in range(n):
-        for link, step in ((first_child, 1), (next_sibling, 0)):
-            has = real[:, x] & (link[:, x] >= 0)
-            depth[rows[has], link[has, x]] = depth[has, x] + step
+    depth = _link_depths(first_child, next_sibling, real)  # [bs, N]
     max_depth = int(depth.max()) if bs else 0
     if width < max_depth + 1:
         raise ValueError(f"accept_width {width} < max depth + 1 = {max_depth + 1}")
+
+
+def _check_greedy(
+    tokens: Tensor,
+    target_ids: Tensor,
+    first_child: Tensor,
+    next_sibling: Tensor,
+    num_nodes: Tensor,
+    accept_width: int,
+    *,
+    values: bool = True,
+) -> None:
+    """Validation of `verify_greedy_ref`'s arguments (`values` as in `_check_num_nodes`)."""
+    _expect(tokens, "tokens", (-1, -1), torch.int64)
+    bs, n = tokens.shape
+    _expect(target_ids, "target_ids", (bs, n), torch.int64)
+    _expect(first_child, "first_child", (bs, n), torch.int64)
+    _check_links(first_child, next_sibling, num_nodes, accept_width, values=values)
 
 
 def verify_greedy_ref(
@@ -222,11 +316,8 @@ def verify_greedy_ref(
     (accepted drafts + 1), `bonus` [bs] int64 (`target_ids` at the last accepted node). From node
     0, accept the first child (ascending) whose token equals the target's choice at its parent.
     """
-    _expect(tokens, "tokens", (-1, -1), torch.int64)
+    _check_greedy(tokens, target_ids, first_child, next_sibling, num_nodes, accept_width)
     bs, n = tokens.shape
-    _expect(target_ids, "target_ids", (bs, n), torch.int64)
-    _expect(first_child, "first_child", (bs, n), torch.int64)
-    _check_links(first_child, next_sibling, num_nodes, accept_width)
     rows = torch.arange(bs, device=tokens.device)  # [bs]
     accept_index = torch.full((bs, accept_width), -1, dtype=torch.int64, device=tokens.device)
     accept_index[:, 0] = 0
@@ -249,6 +340,44 @@ def verify_greedy_ref(
         accept_len += active
         last = torch.where(active, child, last)
     return accept_index, accept_len, target_ids[rows, last]
+
+
+def _check_sampling(
+    tokens: Tensor,
+    target_probs: Tensor,
+    coins: Tensor,
+    residual_noise: Tensor,
+    first_child: Tensor,
+    next_sibling: Tensor,
+    num_nodes: Tensor,
+    accept_width: int,
+    *,
+    values: bool = True,
+) -> None:
+    """Validation of `verify_sampling_ref`'s arguments (`values` as in `_check_num_nodes`)."""
+    _expect(tokens, "tokens", (-1, -1), torch.int64)
+    bs, n = tokens.shape
+    _expect(target_probs, "target_probs", (bs, n, -1), torch.float32)
+    vocab = target_probs.shape[2]
+    _expect_float(coins, "coins", (bs, n))
+    _expect_float(residual_noise, "residual_noise", (bs, vocab))
+    _expect(first_child, "first_child", (bs, n), torch.int64)
+    _check_links(first_child, next_sibling, num_nodes, accept_width, values=values)
+    if not values:
+        return
+    real = _real_nodes(num_nodes, n)  # [bs, N]
+    drafts = real & (torch.arange(n, device=real.device) > 0)  # [bs, N]
+    if ((tokens < 0) | (tokens >= vocab))[drafts].any():
+        raise ValueError(f"tokens: a draft token is outside [0, {vocab})")
+    # Row reductions first: no copy of the real rows (GB-sized at batch 64, N 64, V 128K).
+    sums = target_probs.sum(dim=2)[real]  # [real nodes]
+    lowest = target_probs.amin(dim=2)[real] if vocab else sums  # NaN stays NaN
+    if not (lowest >= 0).all() or not ((sums - 1).abs() <= _PROB_SUM_TOL).all():
+        raise ValueError("target_probs: rows of real nodes must be >= 0 and sum to 1")
+    if not ((coins[real] >= 0) & (coins[real] < 1)).all():
+        raise ValueError("coins: must lie in [0, 1)")
+    if not (residual_noise >= 0).all():
+        raise ValueError("residual_noise: must be >= 0 (Exp(1) samples)")
 
 
 def verify_sampling_ref(
@@ -276,27 +405,17 @@ def verify_sampling_ref(
     below u, leaving the residual all zero; exact arithmetic would accept the last child with
     positive probability, and so does this function.
     """
-    _expect(tokens, "tokens", (-1, -1), torch.int64)
-    bs, n = tokens.shape
-    _expect(target_probs, "target_probs", (bs, n, -1), torch.float32)
-    vocab = target_probs.shape[2]
-    _expect_float(coins, "coins", (bs, n))
-    _expect_float(residual_noise, "residual_noise", (bs, vocab))
-    _expect(first_child, "first_child", (bs, n), torch.int64)
-    _check_links(first_child, next_sibling, num_nodes, accept_width)
-    real = _real_nodes(num_nodes, n)  # [bs, N]
-    drafts = real & (torch.arange(n, device=real.device) > 0)  # [bs, N]
-    if ((tokens < 0) | (tokens >= vocab))[drafts].any():
-        raise ValueError(f"tokens: a draft token is outside [0, {vocab})")
-    probs = target_probs[real]  # [real nodes, V]
-    sums = probs.sum(dim=1)
-    if not (probs >= 0).all() or not ((sums - 1).abs() <= _PROB_SUM_TOL).all():
-        raise ValueError("target_probs: rows of real nodes must be >= 0 and sum to 1")
-    if not ((coins[real] >= 0) & (coins[real] < 1)).all():
-        raise ValueError("coins: must lie in [0, 1)")
-    if not (residual_noise >= 0).all():
-        raise ValueError("residual_noise: must be >= 0 (Exp(1) samples)")
-
+    _check_sampling(
+        tokens,
+        target_probs,
+        coins,
+        residual_noise,
+        first_child,
+        next_sibling,
+        num_nodes,
+        accept_width,
+    )
+    bs, n, vocab = target_probs.shape
     dev = tokens.device
     rows = torch.arange(bs, device=dev)  # [bs]
     accept_index = torch.full((bs, accept_width), -1, dtype=torch.int64, device=dev)
@@ -348,6 +467,25 @@ def verify_sampling_ref(
 # --------------------------------------------------------------------------- KV compaction
 
 
+def _check_compact(
+    caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor, *, values: bool = True
+) -> None:
+    """Validation of `compact_accepted_ref`'s arguments (`values` as in `_check_num_nodes`)."""
+    _expect(src_slots, "src_slots", (-1,), torch.int64)
+    _expect(dst_slots, "dst_slots", tuple(src_slots.shape), torch.int64)
+    slots = None  # [2 M'] the slots of the pairs that move
+    if values:
+        if torch.unique(dst_slots).numel() != dst_slots.numel():
+            raise ValueError("dst_slots: destinations must be distinct")
+        moved = src_slots != dst_slots  # [M]
+        slots = torch.cat([src_slots[moved], dst_slots[moved]])
+    for layer, cache in enumerate(caches):
+        if not isinstance(cache, Tensor) or cache.ndim < 1:
+            raise ValueError(f"caches[{layer}]: expected a tensor [num_slots, ...]")
+        if slots is not None and slots.numel() and (slots.min() < 0 or slots.max() >= len(cache)):
+            raise ValueError(f"caches[{layer}]: a slot is outside [0, {len(cache)})")
+
+
 def compact_accepted_ref(caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor) -> None:
     """Move the accepted nodes' KV to contiguous slots, in place (kernels.md section 4).
 
@@ -356,20 +494,45 @@ def compact_accepted_ref(caches: list[Tensor], src_slots: Tensor, dst_slots: Ten
     semantics, so sources and destinations may overlap (path [0, 2, 3] moves 2->1 and 3->2).
     Pairs with src == dst are skipped; destinations must be distinct.
     """
-    _expect(src_slots, "src_slots", (-1,), torch.int64)
-    _expect(dst_slots, "dst_slots", tuple(src_slots.shape), torch.int64)
-    if torch.unique(dst_slots).numel() != dst_slots.numel():
-        raise ValueError("dst_slots: destinations must be distinct")
+    _check_compact(caches, src_slots, dst_slots)
     moved = src_slots != dst_slots  # [M]
     src, dst = src_slots[moved], dst_slots[moved]  # [M']
-    slots = torch.cat([src, dst])  # [2 M']
-    for layer, cache in enumerate(caches):
-        if not isinstance(cache, Tensor) or cache.ndim < 1:
-            raise ValueError(f"caches[{layer}]: expected a tensor [num_slots, ...]")
-        if slots.numel() and (slots.min() < 0 or slots.max() >= len(cache)):
-            raise ValueError(f"caches[{layer}]: a slot is outside [0, {len(cache)})")
     for cache in caches:
         cache[dst] = cache[src]  # the gather copies every source row before any store
+
+
+def _check_accepted_slots(
+    page_table: Tensor,
+    base_lens: Tensor,
+    accept_index: Tensor,
+    accept_len: Tensor,
+    page_size: int,
+    *,
+    values: bool = True,
+) -> None:
+    """Validation of `accepted_slots_ref`'s arguments (`values` as in `_check_num_nodes`)."""
+    _expect(page_table, "page_table", (-1, -1), torch.int32)
+    bs, max_pages = page_table.shape
+    _expect(base_lens, "base_lens", (bs,), torch.int64)
+    _expect(accept_index, "accept_index", (bs, -1), torch.int64)
+    _expect(accept_len, "accept_len", (bs,), torch.int64)
+    width = accept_index.shape[1]
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if not values:
+        return
+    if ((accept_len < 1) | (accept_len > width)).any():
+        raise ValueError(f"accept_len: must lie in [1, {width}]")
+    if (base_lens < 0).any():
+        raise ValueError("base_lens: must be >= 0")
+    j = torch.arange(width, device=accept_index.device)  # [W]
+    used = j[None, :] < accept_len[:, None]  # [bs, W]
+    if (accept_index[used] < 0).any():
+        raise ValueError("accept_index: the first accept_len entries must be node indices >= 0")
+    src_pos = (base_lens[:, None] + accept_index)[used]  # [M]
+    dst_pos = (base_lens[:, None] + j[None, :])[used]  # [M]
+    if src_pos.numel() and int(torch.maximum(src_pos, dst_pos).max()) >= max_pages * page_size:
+        raise ValueError("accept_index: a KV index is past the end of its page table")
 
 
 def accepted_slots_ref(
@@ -387,29 +550,43 @@ def accepted_slots_ref(
     `base + accept_index[b, j]` and moves to `base + j`. A KV index `pos` is at slot
     `page_table[b, pos // page_size] * page_size + pos % page_size`.
     """
-    _expect(page_table, "page_table", (-1, -1), torch.int32)
-    bs, max_pages = page_table.shape
-    _expect(base_lens, "base_lens", (bs,), torch.int64)
-    _expect(accept_index, "accept_index", (bs, -1), torch.int64)
-    _expect(accept_len, "accept_len", (bs,), torch.int64)
-    width = accept_index.shape[1]
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if ((accept_len < 1) | (accept_len > width)).any():
-        raise ValueError(f"accept_len: must lie in [1, {width}]")
-    if (base_lens < 0).any():
-        raise ValueError("base_lens: must be >= 0")
+    _check_accepted_slots(page_table, base_lens, accept_index, accept_len, page_size)
+    bs, width = accept_index.shape
     j = torch.arange(width, device=accept_index.device)  # [W]
     used = j[None, :] < accept_len[:, None]  # [bs, W]
-    if (accept_index[used] < 0).any():
-        raise ValueError("accept_index: the first accept_len entries must be node indices >= 0")
     req = torch.arange(bs, device=accept_index.device)[:, None].expand(bs, width)[used]  # [M]
     src_pos = (base_lens[:, None] + accept_index)[used]  # [M]
     dst_pos = (base_lens[:, None] + j[None, :])[used]  # [M]
-    if src_pos.numel() and int(torch.maximum(src_pos, dst_pos).max()) >= max_pages * page_size:
-        raise ValueError("accept_index: a KV index is past the end of its page table")
 
     def slot(pos: Tensor) -> Tensor:
         return page_table[req, pos // page_size].long() * page_size + pos % page_size
 
     return slot(src_pos), slot(dst_pos)
+
+
+# --------------------------------------------------------------------------- KV writes
+
+
+def _check_store_kv(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    _expect_float(k, "k", (-1, -1, -1))
+    num_tokens, num_kv_heads, head_dim = k.shape
+    _expect_float(v, "v", (num_tokens, num_kv_heads, head_dim))
+    _expect_float(k_cache, "k_cache", (-1, num_kv_heads, head_dim))
+    _expect(v_cache, "v_cache", tuple(k_cache.shape), k_cache.dtype)
+    _expect(slot_mapping, "slot_mapping", (num_tokens,), torch.int64)
+
+
+def store_kv_ref(
+    k: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_cache: Tensor,  # [num_slots, num_kv_heads, head_dim]
+    slot_mapping: Tensor,  # [num_tokens] int64
+) -> None:
+    """Writes each token's K/V into its slot, in the caches' dtype
+    (`tandem.attention.torch_ref.store_kv`). Slots must lie in [0, num_slots)."""
+    _check_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.attention import AttentionMetadata, TorchAttention
+from tandem.attention import AttentionMetadata, backend_for
 from tandem.kv import KVCache
 from tandem.models import DecoderLM, ForwardContext
 from tandem.scheduler import ScheduledBatch
@@ -42,7 +42,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = kv.spec.device
-        self.backend = TorchAttention()
+        self.backend = backend_for(self.device)
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         alloc = self.kv.allocator

@@ -25,6 +25,7 @@ from numbers import Integral, Real
 
 import torch
 
+import kernels
 from tandem.errors import InvalidRequest
 
 _NEG_INF = float("-inf")
@@ -307,13 +308,11 @@ def sample(
     rows with `invalid_rows` and fails them.
     """
     processed = process_logits(logits, batch, token_ids)  # [bs, V]
-    greedy_ids = processed.argmax(dim=-1)  # [bs]
     if batch.all_greedy:
-        return greedy_ids
-    probs = processed.softmax(dim=-1)  # [bs, V]
-    race = probs.div_(_exponential_noise(batch.generators, probs))  # [bs, V]
-    sampled_ids = race.argmax(dim=-1)  # [bs]
-    return torch.where(batch.temperature > 0, sampled_ids, greedy_ids)
+        return processed.argmax(dim=-1)
+    noise = _exponential_noise(batch.generators, processed)  # [bs, V]
+    # The race and the greedy rows' argmax: one fused kernel on CUDA (kernels/sample.py).
+    return kernels.ops(processed.device).sample(processed, batch.temperature, noise)
 
 
 def invalid_rows(logits: torch.Tensor) -> torch.Tensor:  # [bs, V] -> [bs] bool

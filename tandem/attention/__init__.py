@@ -7,9 +7,19 @@ indices ``[seq_len_i - q_len_i, seq_len_i)``; every new token sees the whole pre
 and those new tokens its row of the per-request mask allows (causal when no mask is given).
 RoPE positions are separate from KV indices, which is what lets a tree's nodes sit at
 ``L - 1 + depth`` while occupying consecutive KV slots.
+
+``backend_for(device)`` picks the backend: ``TritonAttention`` (``triton_backend.py``) on CUDA,
+``TorchAttention`` elsewhere.
 """
 
+from tandem.attention.backend import AttentionBackend, backend_for
 from tandem.attention.metadata import AttentionMetadata, build_custom_mask
 from tandem.attention.torch_ref import TorchAttention
 
-__all__ = ["AttentionMetadata", "TorchAttention", "build_custom_mask"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "TorchAttention",
+    "backend_for",
+    "build_custom_mask",
+]

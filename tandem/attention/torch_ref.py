@@ -2,7 +2,8 @@
 
 The oracle for the Triton kernels and the CPU path. Requests are padded to the longest query
 and KV length of the batch, so each layer is a handful of batched ops; the padded layout
-(slots, visibility) is built once per forward and shared by every layer.
+(slots, visibility) is built once per forward and shared by every layer. The math itself is
+``kernels.reference_attention.dense_attention_ref``, which the kernels' oracle shares.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.reference_attention import dense_attention_ref
 from tandem.attention.metadata import AttentionMetadata
 
 
@@ -22,7 +24,6 @@ class _Dense:
     allowed: torch.Tensor  # [bs, max_q, max_seq] bool, which entries each query sees
     token_req: torch.Tensor  # [num_tokens] int64 request of each flat token
     token_row: torch.Tensor  # [num_tokens] int64 its query index within the request
-    max_q: int
 
 
 class TorchAttention:
@@ -45,23 +46,16 @@ class TorchAttention:
         if q.shape[0] == 0:
             return torch.empty_like(q)
         dense = self._dense(meta, q.device)
-        bs = dense.slots.shape[0]
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k_cache.shape[1]
-        group = num_heads // num_kv_heads
-        keys = k_cache[dense.slots].to(torch.float32)  # [bs, max_seq, num_kv_heads, head_dim]
-        values = v_cache[dense.slots].to(torch.float32)
-        qp = q.new_zeros(bs, dense.max_q, num_heads, head_dim, dtype=torch.float32)
-        qp[dense.token_req, dense.token_row] = q.to(torch.float32)
-        # [bs, kv, group, max_q, d] x [bs, kv, 1, d, max_seq] -> [bs, kv, group, max_q, max_seq]
-        qp = qp.view(bs, dense.max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        scores = torch.matmul(qp, keys.permute(0, 2, 3, 1).unsqueeze(2)) * scale
-        scores = scores.masked_fill(~dense.allowed[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        # [bs, kv, group, max_q, max_seq] x [bs, kv, 1, max_seq, d] -> [bs, kv, group, max_q, d]
-        attn = torch.matmul(probs, values.permute(0, 2, 1, 3).unsqueeze(2))
-        attn = attn.permute(0, 3, 1, 2, 4).reshape(bs, dense.max_q, num_heads, head_dim)
-        return attn[dense.token_req, dense.token_row].to(q.dtype)
+        return dense_attention_ref(
+            q,
+            k_cache,
+            v_cache,
+            dense.slots,
+            dense.allowed,
+            dense.token_req,
+            dense.token_row,
+            scale,
+        )
 
     def _dense(self, meta: AttentionMetadata, device: torch.device) -> _Dense:
         if self._cache is not None and self._cache[0] is meta:
@@ -103,7 +97,6 @@ class TorchAttention:
             allowed=allowed.to(device),
             token_req=torch.tensor(token_req, dtype=torch.int64, device=device),
             token_row=torch.tensor(token_row, dtype=torch.int64, device=device),
-            max_q=max_q,
         )
         self._cache = (meta, dense)
         return dense

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.attention import AttentionMetadata, TorchAttention
+from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.kv import KVCache
 from tandem.models.config import ModelConfig
 
@@ -153,7 +153,7 @@ class ForwardContext:
 
     kv: KVCache
     meta: AttentionMetadata
-    backend: TorchAttention
+    backend: AttentionBackend  # TorchAttention or TritonAttention
 
 
 @dataclass

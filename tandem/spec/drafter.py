@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.reference import top1_ref, topk_ref
-from tandem.attention import AttentionMetadata, TorchAttention
+import kernels
+from tandem.attention import AttentionMetadata, backend_for
 from tandem.errors import KVExhausted
 from tandem.kv import KVCache
 from tandem.models import ForwardContext
@@ -85,7 +85,7 @@ class ModelDrafter(Drafter):
         # K=1 takes argmax and its exact probability from one pass over the logits (top1);
         # False takes the softmax + topk path instead (kept to show both give the same trees).
         self.fast_top1 = fast_top1
-        self.backend = TorchAttention()
+        self.backend = backend_for(device)
         self.seqs: dict[str, _Seq] = {}
         self._dropped: list[str] = []
 
@@ -362,13 +362,14 @@ class ModelDrafter(Drafter):
         started = time.perf_counter_ns()
         logits = module.compute_logits(outs)
         k = max(self.seqs[r].spec.topk for r in request_ids)
+        ops = kernels.ops(logits.device)  # Triton on CUDA, the torch references elsewhere
         if k == 1 and self.fast_top1:
-            ids, logprobs, valid = top1_ref(logits)
+            ids, logprobs, valid = ops.top1(logits)
             ids, logprobs = ids[:, None], logprobs[:, None]
         elif k == 1:
             ids, logprobs, valid = softmax_topk(logits, 1)
         else:
-            ids, logprobs, valid = topk_ref(logits, min(k, logits.shape[-1]))
+            ids, logprobs, valid = ops.topk(logits, min(k, logits.shape[-1]))
         ids = module.to_target_ids(ids)
         ids_host, logprobs_host, valid_host = ids.tolist(), logprobs.tolist(), valid.tolist()
         self.model_ns += time.perf_counter_ns() - started

@@ -9,15 +9,20 @@ residual distribution, so each committed token is distributed exactly as target-
 Coins and the residual race come from the request's own generator, a fixed block per step
 (``coin_block`` coins and one Exp(1) vector), so the target's randomness never depends on the
 draft.
+
+The tree ops run as Triton kernels on CUDA and as their torch references elsewhere
+(``kernels.ops``); the CPU path calls the references through this module's names, which tests
+wrap.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+import kernels
 from kernels.reference import (
     accepted_slots_ref,
     build_tree_ref,
@@ -38,6 +43,21 @@ class Verified:
     accept_nodes: list[int]  # accepted path: node 0 then the accepted drafts' nodes
     new_tokens: list[int]  # accepted draft tokens + the bonus token
     logprobs: list[float]  # target log-probability of each new token
+
+
+def _ops(device: torch.device) -> kernels.Ops:
+    """The kernels on CUDA; elsewhere the references as this module names them (looked up at
+    call time, so a test that replaces one here sees its replacement called)."""
+    if kernels.uses_triton(device):
+        return kernels.triton_ops()
+    return replace(
+        kernels.REFERENCE,
+        build_tree=build_tree_ref,
+        verify_greedy=verify_greedy_ref,
+        verify_sampling=verify_sampling_ref,
+        accepted_slots=accepted_slots_ref,
+        compact_accepted=compact_accepted_ref,
+    )
 
 
 def verify(
@@ -68,7 +88,8 @@ def verify(
         parents[b, : len(tree)] = torch.tensor(tree.parents)
     tokens, parents = tokens.to(device), parents.to(device)
     num_nodes = torch.tensor(sizes, dtype=torch.int64, device=device)
-    depth, _, first_child, next_sibling = build_tree_ref(parents, num_nodes)
+    ops = _ops(device)
+    depth, _, first_child, next_sibling = ops.build_tree(parents, num_nodes)
     accept_width = int(depth.max().item()) + 1
 
     rows = torch.zeros(bs, width, dtype=torch.int64, device=device)  # flat logits row per node
@@ -84,7 +105,7 @@ def verify(
     if greedy:
         idx = torch.tensor(greedy, device=device)
         target_ids = processed.argmax(dim=-1)[rows[idx]]  # [bs_greedy, W]
-        accept_index[idx], accept_len[idx], bonus[idx] = verify_greedy_ref(
+        accept_index[idx], accept_len[idx], bonus[idx] = ops.verify_greedy(
             tokens[idx], target_ids, first_child[idx], next_sibling[idx], num_nodes[idx],
             accept_width,
         )  # fmt: skip
@@ -130,7 +151,7 @@ def _sampling(
         coins[b].uniform_(generator=req.generator)
         noise[b].exponential_(generator=req.generator)
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return verify_sampling_ref(
+    return _ops(probs.device).verify_sampling(
         tokens,
         probs,
         coins[:, :width],
@@ -180,13 +201,14 @@ def compact(
             index[r, : len(nodes)] = torch.tensor(nodes)
         lens = torch.tensor([len(accepted[i].accept_nodes) for i in moving])
         device = kv.k_caches[0].device
-        src, dst = accepted_slots_ref(
+        ops = _ops(device)
+        src, dst = ops.accepted_slots(
             kv.allocator.page_table(ids, device=device),
             torch.tensor([base_lens[i] for i in moving], device=device),
             index.to(device),
             lens.to(device),
             kv.spec.page_size,
         )
-        compact_accepted_ref([*kv.k_caches, *kv.v_caches], src, dst)
+        ops.compact_accepted([*kv.k_caches, *kv.v_caches], src, dst)
     for request_id, base, v in zip(request_ids, base_lens, accepted, strict=True):
         kv.allocator.truncate(request_id, base + len(v.accept_nodes))

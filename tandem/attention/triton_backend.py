@@ -1,0 +1,143 @@
+"""Triton attention backend (GPU): `kernels.attention.tree_attention` behind the interface of
+:class:`~tandem.attention.torch_ref.TorchAttention`, so ``ForwardContext`` takes either.
+
+Per forward, the metadata is turned once into the kernel's inputs (prefix lengths, the custom
+mask packed into int64 words per token, the split count) and shared by every layer. That plan
+is built from the host-side lengths the metadata already carries, never from device reads.
+
+Known limits: the plan uploads small tensors per forward, so a CUDA-graph runner must keep its
+own static plan buffers and call ``kernels.attention.tree_attention`` directly; K/V are stored
+with the Triton ``kernels.kv.store_kv`` (graph-safe: no host read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import default_num_splits, pack_tree_mask, tree_attention
+from kernels.kv import store_kv
+from tandem.attention.metadata import AttentionMetadata
+
+_WORD_BITS = 64
+
+
+@dataclass
+class _Plan:
+    """The kernel's view of one forward's metadata."""
+
+    page_table: torch.Tensor  # [bs, max_pages] int32 on the device
+    prefix_lens: torch.Tensor | None  # [bs] int64 (with tree_mask)
+    tree_mask: torch.Tensor | None  # [num_tokens, num_words] int64 (None: causal)
+    max_q_len: int
+    max_kv_len: int
+
+
+class TritonAttention:
+    """Stores new K/V through ``slot_mapping``, then runs the paged tree-attention kernel.
+
+    ``num_splits`` fixes the split-KV count; None picks it per forward from the batch shape
+    and the GPU's SM count (``default_num_splits``)."""
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
+        self.num_splits = num_splits
+        self._cache: tuple[AttentionMetadata, _Plan] | None = None
+        self._num_sms: dict[torch.device, int] = {}
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.shape[0] == 0:
+            return torch.empty_like(q)
+        plan = self._plan(meta, q.device)
+        num_splits = self.num_splits
+        if num_splits is None:
+            num_splits = self._auto_splits(plan, meta.batch_size, q, k_cache.shape[1])
+        return tree_attention(
+            q,
+            k_cache,
+            v_cache,
+            plan.page_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            plan.prefix_lens,
+            plan.tree_mask,
+            scale=scale,
+            page_size=meta.page_size,
+            max_q_len=plan.max_q_len,
+            num_splits=num_splits,
+        )
+
+    def _auto_splits(self, plan: _Plan, bs: int, q: torch.Tensor, num_kv_heads: int) -> int:
+        return default_num_splits(
+            batch_size=bs,
+            max_q_len=plan.max_q_len,
+            num_heads=q.shape[1],
+            num_kv_heads=num_kv_heads,
+            head_dim=q.shape[2],
+            max_kv_len=plan.max_kv_len,
+            num_sms=self._sms(q.device),
+        )
+
+    def _sms(self, device: torch.device) -> int:
+        if device not in self._num_sms:
+            count = 8  # the interpreter (CPU tensors): a small machine
+            if device.type == "cuda":
+                count = torch.cuda.get_device_properties(device).multi_processor_count
+            self._num_sms[device] = count
+        return self._num_sms[device]
+
+    def _plan(self, meta: AttentionMetadata, device: torch.device) -> _Plan:
+        if self._cache is not None and self._cache[0] is meta:
+            return self._cache[1]
+        prefix_lens, tree_mask = mask_inputs(meta, device)
+        plan = _Plan(
+            page_table=meta.page_table.to(device),
+            prefix_lens=prefix_lens,
+            tree_mask=tree_mask,
+            max_q_len=max(meta.query_lens_cpu),
+            max_kv_len=max(meta.seq_lens_cpu),
+        )
+        self._cache = (meta, plan)
+        return plan
+
+
+def mask_inputs(
+    meta: AttentionMetadata, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # [bs] int64, [num_tokens, words] int64
+    """The kernel's ``prefix_lens`` and ``tree_mask`` for ``meta`` (both None without a custom
+    mask: causal). Each token's row of ``meta.custom_mask`` is packed into int64 words."""
+    if meta.custom_mask is None:
+        return None, None
+    prefixes = [meta.prefix_len(i) for i in range(meta.batch_size)]
+    widths = [s - p for s, p in zip(meta.seq_lens_cpu, prefixes, strict=True)]
+    offsets: list[int] = []
+    row_widths: list[int] = []
+    start = 0
+    for q_len, width in zip(meta.query_lens_cpu, widths, strict=True):
+        offsets += [start + r * width for r in range(q_len)]
+        row_widths += [width] * q_len
+        start += q_len * width
+    num_words = max(1, -(-max(widths, default=0) // _WORD_BITS))
+    tree_mask = pack_tree_mask(
+        meta.custom_mask.to(device),
+        _upload(offsets, device),
+        _upload(row_widths, device),
+        num_words,
+    )
+    return _upload(prefixes, device), tree_mask
+
+
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:  # [len(values)] int64
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
