@@ -23,11 +23,11 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 # The full local demo: draft, target and gateway as three processes, one streamed generation,
-# its speculation statistics. TARGET (and DRAFT, DRAFT_KIND) pick checkpoints; without TARGET a
-# random-weight Llama and EAGLE-3 head are written first (noise text; the embedded trained
-# model replaces them).
+# its speculation statistics. Without TARGET it serves the embedded reference model
+# (checkpoints/tandem-code-ref: a small code model and its EAGLE-3 head); TARGET (and DRAFT,
+# DRAFT_KIND) pick other checkpoints.
 demo: install
-	$(VENV)/bin/tandem demo $(if $(TARGET),--target $(TARGET) --prompt "$(PROMPT)") \
+	$(VENV)/bin/tandem demo $(if $(TARGET),--target $(TARGET)) --prompt "$(PROMPT)" \
 		$(if $(DRAFT),--draft $(DRAFT)) $(if $(DRAFT_KIND),--draft-kind $(DRAFT_KIND))
 
 protos: install

@@ -18,6 +18,8 @@ from typing import Any
 import grpc
 from rich.console import Console
 
+from tandem.embedded import defaults as embedded_defaults
+from tandem.embedded import family_dir
 from tandem.launch import build_stack
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -73,7 +75,10 @@ def run_demo(
     device: str,
 ) -> None:
     err, out = Console(stderr=True), Console()
-    if target is None:
+    if target is None and (family_dir() / "target" / "config.json").is_file():
+        target, draft, draft_kind, _ = embedded_defaults(None, draft, draft_kind)
+        err.print(f"the embedded reference model ({target.parent}), {draft_kind} draft")
+    elif target is None:
         with err.status("writing random-weight demo checkpoints"):
             target, draft = random_models(work_dir)
         draft_kind = "eagle3"

@@ -4,6 +4,8 @@ concurrent streams, and a draft killed mid-run costing nothing but speed."""
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -217,27 +219,30 @@ def test_stack_stops_cleanly_on_sigterm(ckpts: dict[str, Path], tmp_path: Path) 
     assert isinstance(stack.services[0], Service)
 
 
-def test_demo_command_streams_and_reports(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tandem",
-            "demo",
-            "--max-new-tokens",
-            "8",
-            "--work-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+def run_demo(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem", "demo", "--max-new-tokens", "24", "--work-dir",
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "COLUMNS": "250", **env},  # rich wraps at the terminal width
+    )  # fmt: skip
+
+
+def test_demo_serves_the_embedded_model_and_reports(tmp_path: Path) -> None:
+    proc = run_demo(tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("w10 w20 w30") and len(proc.stdout.split()) == 3 + 8
+    assert "embedded reference model" in proc.stderr
+    assert proc.stdout.startswith("def fibonacci(n):") and len(proc.stdout) > len("def fib")
+    found = re.search(r"accept length ([0-9.]+) \| draft tokens (\d+), accepted (\d+)", proc.stderr)
+    assert found is not None, proc.stderr
+    assert float(found[1]) > 1.5 and int(found[3]) > 0  # a trained draft: drafts are accepted
+
+
+def test_demo_without_the_embedded_model_writes_random_ones(tmp_path: Path) -> None:
+    proc = run_demo(tmp_path, TANDEM_EMBEDDED=str(tmp_path / "missing"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("w10 w20 w30") and len(proc.stdout.split()) == 3 + 24
     assert "accept length" in proc.stderr and "tokens/s" in proc.stderr
-    assert "verify steps 7" in proc.stderr
 
 
 def test_generate_cli_through_the_server(
