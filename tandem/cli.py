@@ -13,11 +13,17 @@ from typing import Annotated, Any
 
 import typer
 
+from tandem.bench.cli import bench
+from tandem.embedded import defaults as embedded_defaults
+from tandem.train.cli import train_draft
+
 app = typer.Typer(
     help="Tandem: speculative decoding with draft and target as cooperating services.",
     no_args_is_help=True,
     add_completion=False,
 )
+app.command("train-draft")(train_draft)
+app.command("bench")(bench)
 
 
 @app.callback()
@@ -60,7 +66,10 @@ def generate(
     ],
     target: Annotated[
         Path | None,
-        typer.Option(envvar="TANDEM_TARGET", help="Target checkpoint directory (HF format)."),
+        typer.Option(
+            envvar="TANDEM_TARGET",
+            help="Target checkpoint directory (HF format); default: the embedded model.",
+        ),
     ] = None,
     page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 16,
     max_new_tokens: Annotated[
@@ -84,6 +93,13 @@ def generate(
         int, typer.Option(help="Tokens per forward; longer prompts are prefilled in chunks.")
     ] = 2048,
     num_pages: Annotated[int | None, typer.Option(help="KV pool size in pages.")] = None,
+    cuda_graphs: Annotated[
+        bool | None,
+        typer.Option(
+            "--cuda-graphs/--no-cuda-graphs",
+            help="Decode/verify steps through CUDA graphs (default: on for CUDA devices).",
+        ),
+    ] = None,
     draft: Annotated[
         Path | None,
         typer.Option(envvar="TANDEM_DRAFT", help="Draft checkpoint directory (speculation on)."),
@@ -137,10 +153,11 @@ def generate(
         )
         _print_records(records, as_json)
         return
-    if target is None:
-        raise typer.BadParameter("no --target given (or TANDEM_TARGET)", param_hint="--target")
     err = Console(stderr=True)
     try:
+        target, draft, draft_kind, embedded = embedded_defaults(target, draft, draft_kind)
+        if embedded:
+            err.print(f"using the embedded reference model ({target.parent}, {draft_kind} draft)")
         if not (target / "config.json").is_file():
             raise CheckpointError(f"{target}: no config.json (not a Hugging Face checkpoint dir)")
         tokenizer = load_tokenizer(target)
@@ -165,6 +182,7 @@ def generate(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             num_pages=num_pages,
+            cuda_graphs=cuda_graphs,
         )
         drafter = spec = None
         if draft is not None or draft_kind is not None:
@@ -253,7 +271,10 @@ def _num_layers(target: Path) -> int:
 def serve(
     target: Annotated[
         Path | None,
-        typer.Option(envvar="TANDEM_TARGET", help="Target checkpoint directory (HF format)."),
+        typer.Option(
+            envvar="TANDEM_TARGET",
+            help="Target checkpoint directory (HF format); default: the embedded model.",
+        ),
     ] = None,
     draft: Annotated[Path | None, typer.Option(help="Draft checkpoint directory.")] = None,
     draft_kind: Annotated[
@@ -289,10 +310,15 @@ def serve(
 
     from rich.console import Console
 
+    from tandem.errors import CheckpointError
     from tandem.launch import build_stack
 
-    if target is None:
-        raise typer.BadParameter("no --target given (or TANDEM_TARGET)", param_hint="--target")
+    try:
+        target, draft, draft_kind, embedded = embedded_defaults(target, draft, draft_kind)
+    except CheckpointError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--target") from None
+    if embedded:
+        Console(stderr=True).print(f"serving the embedded reference model ({target.parent})")
     spec_args = ["--spec-steps", str(spec_steps), "--spec-topk", str(spec_topk)]
     if spec_tokens is not None:
         spec_args += ["--spec-tokens", str(spec_tokens)]
@@ -346,7 +372,9 @@ def serve(
 def demo(
     target: Annotated[
         Path | None,
-        typer.Option(envvar="TANDEM_TARGET", help="Target checkpoint (default: random weights)."),
+        typer.Option(
+            envvar="TANDEM_TARGET", help="Target checkpoint (default: the embedded model)."
+        ),
     ] = None,
     draft: Annotated[Path | None, typer.Option(help="Draft checkpoint directory.")] = None,
     draft_kind: Annotated[str | None, typer.Option(help="Draft kind (default eagle3).")] = None,

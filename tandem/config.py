@@ -24,6 +24,13 @@ class EngineConfig:
     num_pages: int | None = None  # KV pool size in pages; wins over kv_cache_bytes
     kv_cache_bytes: int | None = None  # KV pool size as a memory budget
     gpu_memory_utilization: float = 0.85  # share of free GPU memory for KV when unsized
+    # Decode/verify steps through CUDA graphs (tandem/graphs.py); None = on for CUDA devices.
+    cuda_graphs: bool | None = None
+    # Captured batch sizes; sizes past the first one >= max_num_seqs are never captured.
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    # Perf only (tandem.spec.simulate): accept this mean length whatever the drafts are; the
+    # output is then not the target's. Set by `tandem bench` and TANDEM_SIMULATE_ACCEPT_LENGTH.
+    simulate_accept_length: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -39,6 +46,26 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1 when given")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs: needs a CUDA device, not {self.device!r}")
+        sizes = self.cuda_graph_batch_sizes
+        if not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes)):
+            raise ValueError("cuda_graph_batch_sizes: need increasing sizes >= 1")
+        if self.simulate_accept_length is not None and self.simulate_accept_length < 1.0:
+            raise ValueError("simulate_accept_length: must be >= 1 when given")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        if self.cuda_graphs is None:
+            return self.device.startswith("cuda")
+        return self.cuda_graphs
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes to capture: up to the first that holds ``max_num_seqs``."""
+        sizes = self.cuda_graph_batch_sizes
+        last = next((i for i, b in enumerate(sizes) if b >= self.max_num_seqs), len(sizes) - 1)
+        return sizes[: last + 1]
 
     @property
     def torch_dtype(self) -> torch.dtype:

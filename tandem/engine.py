@@ -25,6 +25,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.errors import InvalidRequest
+from tandem.graphs import graph_widths
 from tandem.kv import KVCache, KVCacheSpec
 from tandem.models import DecoderLM, load_model
 from tandem.request import FinishReason, Request, RequestOutput
@@ -33,6 +34,7 @@ from tandem.sampling import SamplingParams, make_generator
 from tandem.scheduler import ScheduledBatch, Scheduler
 from tandem.spec.base import Drafter
 from tandem.spec.exchange import DraftExchange
+from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import SpecConfig, SpecStats
 from tandem.spec.verify import Verified, compact, verify
 
@@ -109,6 +111,13 @@ class Engine:
             kv_spec.bytes_per_page * (self.kv.allocator.num_pages + 1) / 2**20,
         )
         self.runner = ModelRunner(model, self.kv)
+        if config.use_cuda_graphs:
+            self.runner.enable_graphs(
+                batch_sizes=config.graph_batch_sizes,
+                widths=graph_widths(spec.tree_size if spec is not None else None),
+                max_model_len=self.max_model_len,
+                capture_layers=drafter.target_layer_ids if drafter is not None else (),
+            )
         self.scheduler = Scheduler(
             self.kv.allocator,
             max_num_seqs=config.max_num_seqs,
@@ -118,6 +127,11 @@ class Engine:
         )
         # Coins per verify step: a fixed block, so the random stream never depends on the tree.
         self.coin_block = spec.tree_size if spec is not None else 1
+        self.simulator: AcceptSimulator | None = None  # perf only: tandem.spec.simulate
+        if config.simulate_accept_length is not None:
+            if spec is None:
+                raise ValueError("simulate_accept_length: needs speculation (a drafter)")
+            self.simulator = AcceptSimulator(config.simulate_accept_length, spec.num_steps)
         self._requests: dict[str, Request] = {}
         self._released: list[str] = []  # finished or aborted since the draft last heard
         self._next_id = 0
@@ -266,7 +280,13 @@ class Engine:
         if rows:
             trees = [inputs.trees[i] for i in rows]
             reqs = [batch.requests[i] for i in rows]
-            done = verify(outputs.logits, trees, reqs, coin_block=self.coin_block)  # type: ignore[arg-type]
+            done = verify(
+                outputs.logits,
+                trees,  # type: ignore[arg-type]
+                reqs,
+                coin_block=self.coin_block,
+                simulate=self.simulator,
+            )
             for i, v in zip(rows, done, strict=True):
                 found[i] = v
         return found

@@ -4,31 +4,39 @@ A request contributes either its next prompt chunk (causal) or its tree: node 0 
 token at position L-1, node i at ``L-1+depth(i)``, stored at KV index ``L-1+i`` and seeing the
 prefix plus its ancestors. Plain decoding is a tree of one node. Inputs are built on the host
 from numbers the scheduler already has; nothing here reads the device.
+
+With graphs enabled (``enable_graphs``), a step in which every request verifies a tree (no
+prompt chunk) is planned into a bucket of ``tandem.graphs.TargetGraphRunner`` and replayed
+there; other steps, and steps no bucket holds, run eagerly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from tandem.attention import AttentionMetadata, backend_for
+from tandem.graphs import GraphBatch, TargetGraphRunner
 from tandem.kv import KVCache
 from tandem.models import DecoderLM, ForwardContext
 from tandem.scheduler import ScheduledBatch
 from tandem.spec.types import Tree
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_rows] int64, flat rows whose logits are needed
     trees: list[Tree | None]  # per request: what is verified this step (None: a mid-prompt chunk)
     row_starts: list[int]  # per request: its first row in the logits (valid where trees[i] set)
     token_starts: list[int]  # per request: its first token in the flat batch
+    # An eager step's device inputs; all None when a graph bucket runs the step (graph set).
+    input_ids: torch.Tensor | None = None  # [num_tokens] int64
+    positions: torch.Tensor | None = None  # [num_tokens] int64
+    meta: AttentionMetadata | None = None
+    logits_indices: torch.Tensor | None = None  # [num_rows] int64, flat rows with logits
+    graph: GraphBatch | None = None
 
 
 @dataclass
@@ -43,8 +51,56 @@ class ModelRunner:
         self.kv = kv
         self.device = kv.spec.device
         self.backend = backend_for(self.device)
+        self.graphs: TargetGraphRunner | None = None
+
+    def enable_graphs(
+        self,
+        *,
+        batch_sizes: Sequence[int],
+        widths: Sequence[int],
+        max_model_len: int,
+        capture_layers: Sequence[int] = (),
+        capture: bool = True,
+    ) -> TargetGraphRunner:
+        """Runs decode/verify steps that fit a bucket through CUDA graphs, captured now
+        (``capture=False``: the same static buffers run eagerly, on any device)."""
+        from tandem.attention.triton_backend import TritonAttention  # imports triton
+
+        attention = self.backend if isinstance(self.backend, TritonAttention) else None
+        self.graphs = TargetGraphRunner(
+            self.model,
+            self.kv,
+            batch_sizes=batch_sizes,
+            widths=widths,
+            max_model_len=max_model_len,
+            attention=attention,
+            capture=capture,
+        )
+        self.graphs.capture(capture_layers)
+        return self.graphs
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+        trees: list[Tree | None] = []
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            tree: Tree | None = req.tree
+            if tree is None and req.num_computed + n == req.num_tokens:
+                tree = Tree(tokens=(req.tokens[-1],), parents=(-1,))
+            trees.append(tree)
+        # Every request verifies its whole chunk (no prompt chunk): a bucket may run the step.
+        news = batch.num_new_tokens
+        verified = [t for t, n in zip(trees, news, strict=True) if t is not None and len(t) == n]
+        if self.graphs is not None and len(verified) == len(trees):
+            graph = self.graphs.plan(
+                [req.request_id for req in batch.requests],
+                [req.num_computed for req in batch.requests],
+                verified,
+            )
+            if graph is not None:
+                starts = [0, *accumulate(news)][:-1]
+                return ModelInputs(trees=trees, row_starts=starts, token_starts=starts, graph=graph)
+        return self._prepare_eager(batch, trees)
+
+    def _prepare_eager(self, batch: ScheduledBatch, trees: list[Tree | None]) -> ModelInputs:
         alloc = self.kv.allocator
         ids: list[int] = []
         positions: list[int] = []
@@ -52,25 +108,20 @@ class ModelRunner:
         ends: list[int] = []
         masks: list[torch.Tensor | None] = []
         logits_indices: list[int] = []
-        trees: list[Tree | None] = []
         row_starts: list[int] = []
         token_starts: list[int] = []
-        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+        for req, n, tree in zip(batch.requests, batch.num_new_tokens, trees, strict=True):
             start = req.num_computed
             token_starts.append(len(ids))
             row_starts.append(len(logits_indices))
-            tree: Tree | None = req.tree
-            if tree is not None:
-                ids.extend(tree.tokens)
-                positions.extend(start + d for d in tree.depths)
-                masks.append(tree.ancestor_mask())
+            if req.tree is not None:
+                ids.extend(req.tree.tokens)
+                positions.extend(start + d for d in req.tree.depths)
+                masks.append(req.tree.ancestor_mask())
             else:
                 ids.extend(req.tokens[start : start + n])
                 positions.extend(range(start, start + n))
                 masks.append(None)
-                last = start + n == req.num_tokens
-                tree = Tree(tokens=(req.tokens[-1],), parents=(-1,)) if last else None
-            trees.append(tree)
             starts.append(start)
             ends.append(start + n)
             if tree is not None:
@@ -97,6 +148,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs, capture_layers: Sequence[int] = ()) -> ModelOutputs:
+        if inputs.graph is not None:
+            assert self.graphs is not None, "a graph step planned without graphs"
+            logits, features = self.graphs.run(inputs.graph, capture_layers)
+            return ModelOutputs(logits=logits, features=features)
+        assert inputs.input_ids is not None and inputs.positions is not None
+        assert inputs.meta is not None and inputs.logits_indices is not None
         ctx = ForwardContext(kv=self.kv, meta=inputs.meta, backend=self.backend)
         out = self.model(inputs.input_ids, inputs.positions, ctx, capture_layers)
         logits = self.model.compute_logits(out.hidden[inputs.logits_indices])

@@ -4,6 +4,10 @@ Every flag has a ``TANDEM_TARGET_<FLAG>`` environment default (e.g. TANDEM_TARGE
 Health is NOT_SERVING until the model is loaded and a warm-up step ran; SIGTERM drains.
 ``--tls-cert``/``--tls-key`` (+ ``--tls-client-ca --require-client-cert`` for mutual TLS) secure
 the port; ``--draft-tls-*`` the channel to the draft (``tandem.security``).
+
+``TANDEM_SIMULATE_ACCEPT_LENGTH=A`` (environment only, no flag; benchmarks only) forces a mean
+accept length A whatever the drafts are (``tandem.spec.simulate``): the output is then NOT the
+target's, so never set it on a server that answers users.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from tandem import __version__, security, serving, telemetry
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
+from tandem.spec import simulate
 from tandem.spec.build import DRAFT_KINDS
 from tandem.spec.types import SpecConfig
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -57,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=int(env("TANDEM_TARGET_MAX_NUM_SEQS", "64")))
     p.add_argument("--device", default=env("TANDEM_TARGET_DEVICE", "cpu"))
     p.add_argument("--dtype", default=env("TANDEM_TARGET_DTYPE", "float32"))
+    graphs = None  # unset: on for CUDA devices
+    if env("TANDEM_TARGET_CUDA_GRAPHS", None) is not None:
+        graphs = env("TANDEM_TARGET_CUDA_GRAPHS", True)
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=graphs,
+        help="decode/verify steps through CUDA graphs (default: on for CUDA devices)",
+    )
     p.add_argument("--reflection", action="store_true")
     p.add_argument("--grace", type=float, default=float(env("TANDEM_TARGET_GRACE", "10")))
     p.add_argument("--log-level", default=env("TANDEM_LOG_LEVEL", "INFO"))
@@ -85,6 +99,17 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
     if a.draft_addr:
         tokens = None if a.spec_tokens is None else int(a.spec_tokens)
         spec = SpecConfig(num_steps=a.spec_steps, topk=a.spec_topk, num_draft_tokens=tokens)
+    simulated = serving.env_default(simulate.ENV_VAR, None)
+    accept_length = None
+    if simulated is not None:
+        accept_length = simulate.parse_accept_length(
+            simulated, None if spec is None else spec.num_steps
+        )
+        logger.warning(
+            "%s=%s: simulated acceptance, for benchmarks only; output is NOT the target's",
+            simulate.ENV_VAR,
+            accept_length,
+        )
     return TargetServiceConfig(
         engine=EngineConfig(
             model=Path(a.target),
@@ -93,6 +118,8 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
             max_num_seqs=a.max_num_seqs,
             device=a.device,
             dtype=a.dtype,
+            cuda_graphs=a.cuda_graphs,
+            simulate_accept_length=accept_length,
         ),
         host=a.host,
         port=a.port,

@@ -9,16 +9,18 @@ RoPE positions are separate from KV indices, which is what lets a tree's nodes s
 ``L - 1 + depth`` while occupying consecutive KV slots.
 
 ``backend_for(device)`` picks the backend: ``TritonAttention`` (``triton_backend.py``) on CUDA,
-``TorchAttention`` elsewhere.
+``TorchAttention`` elsewhere. A CUDA-graph bucket runs ``GraphAttention`` over its
+``GraphMetadata`` (static buffers, fixed shapes; Triton only).
 """
 
 from tandem.attention.backend import AttentionBackend, backend_for
-from tandem.attention.metadata import AttentionMetadata, build_custom_mask
+from tandem.attention.metadata import AttentionMetadata, GraphMetadata, build_custom_mask
 from tandem.attention.torch_ref import TorchAttention
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "GraphMetadata",
     "TorchAttention",
     "backend_for",
     "build_custom_mask",

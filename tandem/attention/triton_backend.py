@@ -3,11 +3,12 @@
 
 Per forward, the metadata is turned once into the kernel's inputs (prefix lengths, the custom
 mask packed into int64 words per token, the split count) and shared by every layer. That plan
-is built from the host-side lengths the metadata already carries, never from device reads.
-
-Known limits: the plan uploads small tensors per forward, so a CUDA-graph runner must keep its
-own static plan buffers and call ``kernels.attention.tree_attention`` directly; K/V are stored
-with the Triton ``kernels.kv.store_kv`` (graph-safe: no host read).
+is built from the host-side lengths the metadata already carries, never from device reads, but
+it uploads small tensors, so it cannot be captured. A CUDA-graph bucket runs
+:class:`GraphAttention` instead: its ``GraphMetadata`` tensors are already the kernel's inputs
+(static buffers the graph runner refills before each replay) and its shapes and split count are
+fixed, so a forward launches ``store_kv`` and ``tree_attention`` on them and nothing else
+(graph-safe: no host read, no allocation besides the kernels' outputs).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from kernels.attention import default_num_splits, pack_tree_mask, tree_attention
 from kernels.kv import store_kv
-from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.metadata import AttentionMetadata, GraphMetadata
 
 _WORD_BITS = 64
 
@@ -90,6 +91,31 @@ class TritonAttention:
             num_sms=self._sms(q.device),
         )
 
+    def graph_splits(
+        self,
+        *,
+        batch_size: int,
+        width: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_kv_len: int,
+        device: torch.device,
+    ) -> int:
+        """The split count of a graph bucket: fixed (``num_splits``) or chosen for the longest
+        context the bucket may see; splits past a shorter context exit at once."""
+        if self.num_splits is not None:
+            return self.num_splits
+        return default_num_splits(
+            batch_size=batch_size,
+            max_q_len=width,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_kv_len=max_kv_len,
+            num_sms=self._sms(device),
+        )
+
     def _sms(self, device: torch.device) -> int:
         if device not in self._num_sms:
             count = 8  # the interpreter (CPU tensors): a small machine
@@ -111,6 +137,42 @@ class TritonAttention:
         )
         self._cache = (meta, plan)
         return plan
+
+
+class GraphAttention:
+    """The backend of one CUDA-graph bucket: attends through the bucket's static buffers
+    (``graph_meta``), ignoring the ``meta`` a forward passes (the graph runner's context holds
+    an empty placeholder there, as no host-side metadata may be read inside a capture)."""
+
+    def __init__(self, graph_meta: GraphMetadata) -> None:
+        self.graph_meta = graph_meta
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [bs * width, num_heads, head_dim]
+        k: torch.Tensor,  # [bs * width, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [bs * width, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [bs * width, num_heads, head_dim]
+        g = self.graph_meta
+        store_kv(k, v, k_cache, v_cache, g.slot_mapping)
+        return tree_attention(
+            q,
+            k_cache,
+            v_cache,
+            g.page_table,
+            g.query_start_loc,
+            g.seq_lens,
+            g.prefix_lens,
+            g.tree_mask,
+            scale=scale,
+            page_size=g.page_size,
+            max_q_len=g.width,
+            num_splits=g.num_splits,
+        )
 
 
 def mask_inputs(

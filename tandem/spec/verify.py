@@ -17,6 +17,7 @@ wrap.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -33,6 +34,7 @@ from kernels.reference import (
 from tandem.kv import KVCache
 from tandem.request import Request
 from tandem.sampling import SamplingBatch, process_logits
+from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import Tree
 
 
@@ -66,8 +68,13 @@ def verify(
     reqs: Sequence[Request],
     *,
     coin_block: int,
+    simulate: AcceptSimulator | None = None,
 ) -> list[Verified]:
-    """Verifies one tree per request (node 0's logits predict the token after node 0)."""
+    """Verifies one tree per request (node 0's logits predict the token after node 0).
+
+    With ``simulate`` (benchmarks only, ``tandem.spec.simulate``) the verification still runs
+    but the accepted paths are drawn, and each bonus is the target's argmax after its path.
+    """
     device = logits.device
     sizes = [len(t) for t in trees]
     bs, width = len(trees), max(sizes)
@@ -124,6 +131,12 @@ def verify(
 
     out = []
     host_index, host_len, host_bonus = accept_index.tolist(), accept_len.tolist(), bonus.tolist()
+    if simulate is not None:  # perf only: the verdict above is overridden (its cost is kept)
+        host_index = simulate.paths(trees)
+        host_len = [len(nodes) for nodes in host_index]
+        starts = [0, *itertools.accumulate(sizes)]
+        last = torch.tensor([starts[b] + nodes[-1] for b, nodes in enumerate(host_index)])
+        host_bonus = processed[last.to(device)].argmax(dim=-1).tolist()
     for b, tree in enumerate(trees):
         nodes = host_index[b][: host_len[b]]
         new = [tree.tokens[n] for n in nodes[1:]] + [host_bonus[b]]

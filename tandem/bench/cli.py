@@ -1,0 +1,185 @@
+"""``tandem bench``: the command line over ``tandem.bench.run`` (docs/performance.md).
+
+Without ``--target`` it benchmarks a preset of random-weight checkpoints, written first (on
+``--device``) under ``--models-dir`` and reused by later runs: ``tiny`` for a CPU smoke run,
+``llama-3.1-8b`` (bf16, EAGLE-3 head with a 32000-token draft vocabulary) for a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from tandem.bench.presets import PRESETS
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from tandem.bench.models import PresetPaths
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        message = f"expected comma-separated integers, got {text!r}"
+        raise typer.BadParameter(message, param_hint=name) from None
+
+
+def bench(
+    preset: Annotated[
+        str | None,
+        typer.Option(help=f"Random-weight checkpoints to write and use: {', '.join(PRESETS)}."),
+    ] = None,
+    target: Annotated[
+        Path | None, typer.Option(help="Target checkpoint (instead of a preset).")
+    ] = None,
+    draft: Annotated[Path | None, typer.Option(help="EAGLE-3 head for --target.")] = None,
+    assistant: Annotated[
+        Path | None,
+        typer.Option(help="Standalone LM with the target's tokenizer (transformers' assisted)."),
+    ] = None,
+    models_dir: Annotated[
+        Path, typer.Option(help="Where presets are written (reused when present).")
+    ] = Path("out/bench/models"),
+    modes: Annotated[
+        str, typer.Option(help="Comma-separated: target-only, spec, services, hf.")
+    ] = "target-only,spec,services,hf",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8,32,64",
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 128,
+    new_tokens: Annotated[int, typer.Option(help="Generated tokens per request.")] = 128,
+    warmup_tokens: Annotated[
+        int, typer.Option(help="Tokens of a warm-up round before each measurement (0: none).")
+    ] = 16,
+    rounds: Annotated[int, typer.Option(help="Measured rounds per mode and batch size.")] = 1,
+    spec_steps: Annotated[int, typer.Option(help="S: draft steps per cycle (a chain).")] = 3,
+    simulate_accept_length: Annotated[
+        float | None,
+        typer.Option(
+            help="PERF ONLY: force this mean accept length (drafts accepted unchecked; the "
+            "output is not the target's). For random-weight models."
+        ),
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16, float16 (default: the preset's).")
+    ] = None,
+    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 16,
+    two_lane_batch: Annotated[
+        int, typer.Option(help="Gateway: two lanes from this many running requests (0: never).")
+    ] = 16,
+    log_dir: Annotated[Path | None, typer.Option(help="Keep the services' logs here.")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object (the table goes to stderr).")
+    ] = False,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write throughput.png and acceptance.png here.")
+    ] = None,
+) -> None:
+    """Latency and throughput: target-only, speculation in process and through the services,
+    transformers' generate and assisted generation, with the speed-of-light ratio."""
+    from rich.console import Console
+
+    from tandem.bench import report
+    from tandem.bench.inprocess import Workload
+    from tandem.bench.run import BenchConfig, run_bench
+
+    err = Console(stderr=True)
+    if target is None:
+        name = preset or "tiny"
+        if name not in PRESETS:
+            raise typer.BadParameter(
+                f"{name!r} is not one of {sorted(PRESETS)}", param_hint="--preset"
+            )
+        paths = _write_preset(name, models_dir, device, dtype, err)
+        target, draft, assistant = paths.target, paths.draft, paths.assistant
+        dtype = dtype or PRESETS[name].dtype
+    elif preset is not None:
+        raise typer.BadParameter("give --preset or --target, not both", param_hint="--preset")
+    try:
+        config = BenchConfig(
+            target=target,
+            draft=draft,
+            assistant=assistant,
+            modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+            batch_sizes=_ints(batch_sizes, "--batch-sizes"),
+            workload=Workload(
+                prompt_len=prompt_len,
+                new_tokens=new_tokens,
+                warmup_tokens=warmup_tokens,
+                rounds=rounds,
+            ),
+            spec_steps=spec_steps,
+            simulate_accept_length=simulate_accept_length,
+            device=device,
+            dtype=dtype or "float32",
+            page_size=page_size,
+            two_lane_batch=two_lane_batch,
+            log_dir=log_dir,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if simulate_accept_length is not None:
+        err.print(
+            f"[yellow]simulated acceptance {simulate_accept_length}: perf only, "
+            "the output is not the target's[/yellow]"
+        )
+    started = time.monotonic()
+
+    def log(text: str) -> None:  # a log line per phase where a spinner cannot show
+        err.print(f"[{time.monotonic() - started:7.1f} s] {text}", highlight=False)
+
+    with err.status("benchmarking") as status:
+        say = status.update if err.is_terminal else log
+        header, rows = run_bench(config, say=say)
+    if plot is not None:
+        for path in report.plot(rows, plot):
+            err.print(f"wrote {path}")
+    text = report.table(rows, header) + "\n"
+    if as_json:  # the JSON on stdout, the table on stderr: one run gives both
+        sys.stderr.write(text)
+        sys.stdout.write(json.dumps(report.to_json(rows, header)) + "\n")
+    else:
+        sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _write_preset(
+    name: str, root: Path, device: str, dtype: str | None, err: Console
+) -> PresetPaths:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn
+
+    from tandem.bench.models import write_preset
+
+    with Progress(
+        TextColumn("writing {task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        tasks: dict[str, TaskID] = {}
+
+        def progress(part: str, done: int, total: int) -> None:
+            if part not in tasks:
+                tasks[part] = bar.add_task(f"{name}/{part}", total=total)
+            bar.update(tasks[part], completed=done)
+
+        started = time.monotonic()
+        paths = write_preset(
+            PRESETS[name],
+            root / f"{name}-{dtype or PRESETS[name].dtype}",
+            device=device,
+            dtype=dtype,
+            progress=progress,
+        )
+    if tasks:
+        err.print(
+            f"wrote preset {name} in {time.monotonic() - started:.1f} s to {paths.target.parent}"
+        )
+    return paths

@@ -1,0 +1,218 @@
+"""Target-only decoding and speculation in one process: ``Engine.step()`` driven directly, each
+step's ``last_timing`` and ``last_stats`` recorded.
+
+On CUDA the target's forward is followed by a device synchronisation (``synced_forward``), so
+``forward_ns`` is the forward's GPU time rather than its launch time; the next host read in
+verification waits for the forward anyway, so this moves time between columns, not the total.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.bench.report import Row, median_ms, percentile
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.models import DecoderLM
+from tandem.models.config import ModelConfig
+from tandem.runner import ModelRunner
+from tandem.sampling import SamplingParams
+from tandem.spec.build import DraftConfig, build_drafter
+from tandem.spec.types import SpecConfig, SpecStats
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    prompt_len: int  # tokens per prompt (synthetic ids)
+    new_tokens: int  # generated per request (ignore_eos)
+    warmup_tokens: int  # a warm-up round at each batch size first; 0 = none
+    rounds: int  # measured rounds of batch_size concurrent requests
+
+
+def prompts(vocab: int, batch_size: int, prompt_len: int, salt: int = 0) -> list[list[int]]:
+    """Deterministic, distinct prompts of ids in [4, vocab) (specials below 4)."""
+    span = vocab - 4
+    return [
+        [(7919 * (i + 1) + 31 * j + 1009 * salt) % span + 4 for j in range(prompt_len)]
+        for i in range(batch_size)
+    ]
+
+
+def pages_needed(max_batch: int, w: Workload, tree_size: int, page_size: int) -> int:
+    """KV pages for ``max_batch`` requests at full length, with a step's tree reserved."""
+    longest = w.prompt_len + max(w.new_tokens, w.warmup_tokens) + tree_size + 1
+    return max_batch * -(-longest // page_size) + max_batch + 8
+
+
+def synced_forward(runner: ModelRunner) -> None:
+    """Makes ``runner.forward`` wait for the device before it returns (CUDA only)."""
+    if not str(runner.device).startswith("cuda"):
+        return
+    forward = runner.forward
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        torch.cuda.synchronize(runner.device)
+        return out
+
+    runner.forward = run  # type: ignore[method-assign]
+
+
+def build_engine(
+    target: Path,
+    draft: Path | None,
+    *,
+    spec: SpecConfig | None,
+    device: str,
+    dtype: str,
+    page_size: int,
+    num_pages: int,
+    max_batch: int,
+    simulate_accept_length: float | None,
+    model: DecoderLM | None = None,
+    draft_kind: str = "eagle3",
+) -> Engine:
+    """An engine over ``model`` (loaded from ``target`` when None), speculating with
+    ``spec``; its forward synchronised on CUDA."""
+    config = EngineConfig(
+        model=target,
+        dtype=dtype,
+        device=device,
+        page_size=page_size,
+        num_pages=num_pages,
+        max_num_seqs=max_batch,
+        simulate_accept_length=simulate_accept_length if spec is not None else None,
+    )
+    drafter = None
+    if spec is not None:
+        draft_config = DraftConfig(
+            kind=draft_kind,
+            path=draft,
+            target=target,
+            dtype=dtype,
+            device=device,
+            page_size=page_size,
+            num_pages=max(2048, num_pages),
+        )
+        drafter = build_drafter(draft_config, ModelConfig.from_pretrained(target).num_layers)
+    engine = Engine(config, model, drafter=drafter, spec=spec)
+    synced_forward(engine.runner)
+    return engine
+
+
+@dataclass
+class _Steps:
+    total: list[int]
+    forward: list[int]
+    draft: list[int]
+
+
+def run(engine: Engine, mode: str, batch_size: int, w: Workload, num_positions: int) -> Row:
+    """Warm-up, then ``w.rounds`` rounds of ``batch_size`` concurrent requests."""
+    vocab = engine.model.config.vocab_size
+    if w.warmup_tokens:
+        _round(engine, prompts(vocab, batch_size, w.prompt_len, salt=99), w.warmup_tokens)
+    steps = _Steps([], [], [])
+    stats: list[SpecStats] = []
+    tpots: list[float] = []
+    ttfts: list[float] = []
+    duration, tokens = 0.0, 0
+    for r in range(w.rounds):
+        out = _round(engine, prompts(vocab, batch_size, w.prompt_len, salt=r), w.new_tokens, steps)
+        duration += out.duration
+        tokens += out.tokens
+        stats += out.stats
+        tpots += out.tpots
+        ttfts += out.ttfts
+    row = Row(
+        mode=mode,
+        batch_size=batch_size,
+        num_requests=batch_size * w.rounds,
+        output_tokens=tokens,
+        duration_s=duration,
+        tokens_per_s=tokens / duration,
+        cycle_ms=median_ms(steps.total),
+        verify_ms=median_ms(steps.forward),
+        wire_host_ms=median_ms(
+            [t - f - d for t, f, d in zip(steps.total, steps.forward, steps.draft, strict=True)]
+        ),
+    )
+    fill_latency(row, tpots, ttfts)
+    if engine.spec is not None:
+        row.draft_ms = median_ms(steps.draft)
+        fill_acceptance(row, stats, num_positions)
+    return row
+
+
+def fill_latency(row: Row, tpots: list[float], ttfts: list[float]) -> None:
+    if tpots:
+        row.tpot_p50_ms, row.tpot_p99_ms = percentile(tpots, 50), percentile(tpots, 99)
+    if ttfts:
+        row.ttft_p50_ms = percentile(ttfts, 50)
+
+
+def fill_acceptance(row: Row, stats: list[SpecStats], num_positions: int) -> None:
+    verify_steps = sum(s.verify_steps for s in stats)
+    drafts = sum(s.drafts for s in stats)
+    accepted = sum(s.accepted_tokens for s in stats)
+    row.accept_length = (accepted + verify_steps) / verify_steps if verify_steps else None
+    per_pos = [0] * num_positions
+    for s in stats:
+        for d, n in enumerate(s.accepted_per_position[:num_positions]):
+            per_pos[d] += n
+    row.acceptance_per_position = [n / drafts for n in per_pos] if drafts else []
+
+
+@dataclass
+class _Round:
+    duration: float
+    tokens: int
+    stats: list[SpecStats]
+    tpots: list[float]  # ms per request
+    ttfts: list[float]  # ms per request
+
+
+def _round(
+    engine: Engine, batch: list[list[int]], new_tokens: int, steps: _Steps | None = None
+) -> _Round:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    clock: Callable[[], float] = time.perf_counter
+    start = clock()
+    ids = [engine.add_request(p, params) for p in batch]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = clock()
+        for o in outputs:
+            if o.new_token_ids:
+                first.setdefault(o.request_id, now)
+                last[o.request_id] = now
+        t = engine.last_timing
+        if steps is not None and engine.last_stats.verify_steps:  # a decode step
+            steps.total.append(t.total_ns)
+            steps.forward.append(t.forward_ns)
+            steps.draft.append(t.draft_model_ns)
+    duration = clock() - start
+    engine.flush_draft()
+    results = [engine.pop_finished(i) for i in ids]
+    tpots = [
+        (last[r.request_id] - first[r.request_id]) * 1e3 / (len(r.token_ids) - 1)
+        for r in results
+        if len(r.token_ids) > 1
+    ]
+    return _Round(
+        duration=duration,
+        tokens=sum(len(r.token_ids) for r in results),
+        stats=[r.stats for r in results],
+        tpots=tpots,
+        ttfts=[(first[i] - start) * 1e3 for i in ids if i in first],
+    )

@@ -1,0 +1,234 @@
+"""One benchmark run: every mode at every batch size, in an order that keeps one copy of the
+target in device memory at a time (in process, then the services, then transformers)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.bench import hf, inprocess, services
+from tandem.bench.inprocess import Workload
+from tandem.bench.report import Row
+from tandem.bench.sol import copy_bandwidth, kv_bytes_per_token, t_verify_min, weight_bytes
+from tandem.config import DTYPES
+from tandem.models import load_model
+from tandem.models.config import ModelConfig
+from tandem.spec.types import SpecConfig
+
+logger = logging.getLogger(__name__)
+
+ALL_MODES = ("target-only", "spec", "services", "hf")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    target: Path
+    draft: Path | None  # an EAGLE-3 head; None: no speculative modes
+    assistant: Path | None  # a standalone LM for transformers' assisted generation
+    modes: tuple[str, ...] = ALL_MODES
+    batch_sizes: tuple[int, ...] = (1, 8, 32, 64)
+    workload: Workload
+    spec_steps: int = 3
+    simulate_accept_length: float | None = None  # perf only (tandem.spec.simulate)
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_size: int = 16
+    two_lane_batch: int = 16
+    log_dir: Path | None = None  # the services' logs (default: a temporary directory)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.modes) - set(ALL_MODES)
+        if unknown:
+            raise ValueError(f"modes: {sorted(unknown)} not in {ALL_MODES}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError("batch_sizes: give at least one, each >= 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        w = self.workload
+        if w.prompt_len < 1 or w.new_tokens < 2 or w.rounds < 1 or w.warmup_tokens < 0:
+            raise ValueError("workload: prompt_len >= 1, new_tokens >= 2, rounds >= 1")
+        if self.simulate_accept_length is not None:
+            SpecConfig(num_steps=self.spec_steps)  # validates S
+            if not 1.0 <= self.simulate_accept_length <= self.spec_steps + 1:
+                raise ValueError(
+                    f"simulate_accept_length: must be in [1, S+1] = [1, {self.spec_steps + 1}]"
+                )
+
+    @cached_property
+    def spec(self) -> SpecConfig:
+        return SpecConfig(num_steps=self.spec_steps, topk=1)
+
+    @cached_property
+    def num_pages(self) -> int:
+        return inprocess.pages_needed(
+            max(self.batch_sizes), self.workload, self.spec.tree_size, self.page_size
+        )
+
+
+def run_bench(
+    config: BenchConfig, say: Callable[[str], None] = logger.info
+) -> tuple[dict[str, Any], list[Row]]:
+    """Runs the configured modes; returns the settings block and the rows."""
+    model_config = ModelConfig.from_pretrained(config.target)
+    torch_dtype = DTYPES[config.dtype]
+    bandwidth = copy_bandwidth(config.device)
+    w = config.workload
+    header: dict[str, Any] = {
+        "Device": _device_name(config.device),
+        "Target": str(config.target),
+        "Draft (EAGLE-3)": str(config.draft) if config.draft else "-",
+        "Dtype": config.dtype,
+        "Draft steps S (chain)": config.spec_steps,
+        "Prompt / new tokens": f"{w.prompt_len} / {w.new_tokens}",
+        "Rounds per batch size": w.rounds,
+        "Simulated accept length": _simulated(config.simulate_accept_length),
+        "Copy bandwidth (GB/s)": round(bandwidth / 1e9, 1),
+        "Weights read per step (GB)": round(weight_bytes(model_config, torch_dtype) / 1e9, 3),
+        "KV per token (KiB)": round(kv_bytes_per_token(model_config, torch_dtype) / 1024, 1),
+    }
+    rows: list[Row] = []
+    speculative = config.draft is not None
+    if "target-only" in config.modes or ("spec" in config.modes and speculative):
+        rows += _in_process(config, say)
+    if "services" in config.modes and speculative:
+        rows += _services(config, model_config, say)
+    if "hf" in config.modes:
+        rows += _transformers(config, say)
+    if not speculative and {"spec", "services"} & set(config.modes):
+        rows.append(Row(mode="spec", batch_size=0, note="skipped: no draft (--draft)"))
+    for row in rows:
+        if row.batch_size:
+            context = row.batch_size * (w.prompt_len + w.new_tokens // 2)
+            row.finish(t_verify_min(model_config, torch_dtype, context, bandwidth))
+    return header, rows
+
+
+def _done(row: Row) -> str:
+    accept = f", accept length {row.accept_length:.2f}" if row.accept_length else ""
+    return f"{row.mode} bs={row.batch_size}: {row.tokens_per_s or 0:.1f} tok/s{accept}"
+
+
+def _simulated(value: float | None) -> str:
+    if value is None:
+        return "off (acceptance measured)"
+    return f"{value} (perf only: drafts forced, output not the target's)"
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
+    say(f"loading {config.target} in process")
+    model = load_model(config.target, dtype=DTYPES[config.dtype], device=config.device)
+    rows = []
+    plans: list[tuple[str, SpecConfig | None]] = []
+    if "target-only" in config.modes:
+        plans.append(("target-only", None))
+    if "spec" in config.modes and config.draft is not None:
+        plans.append(("spec", config.spec))
+    for mode, spec in plans:
+        engine = inprocess.build_engine(
+            config.target,
+            config.draft,
+            spec=spec,
+            device=config.device,
+            dtype=config.dtype,
+            page_size=config.page_size,
+            num_pages=config.num_pages,
+            max_batch=max(config.batch_sizes),
+            simulate_accept_length=config.simulate_accept_length,
+            model=model,
+        )
+        for bs in config.batch_sizes:
+            say(f"{mode} bs={bs}")
+            rows.append(inprocess.run(engine, mode, bs, config.workload, config.spec_steps))
+            say(_done(rows[-1]))
+        del engine
+        _free()
+    del model
+    _free()
+    return rows
+
+
+def _services(config: BenchConfig, mc: ModelConfig, say: Callable[[str], None]) -> list[Row]:
+    assert config.draft is not None
+    with tempfile.TemporaryDirectory() as tmp:
+        log_dir = config.log_dir or Path(tmp)
+        say(f"starting draft, target and gateway services (logs: {log_dir})")
+        stack = services.start_stack(
+            config.target,
+            config.draft,
+            spec_steps=config.spec_steps,
+            device=config.device,
+            dtype=config.dtype,
+            page_size=config.page_size,
+            num_pages=config.num_pages,
+            max_batch=max(config.batch_sizes),
+            two_lane_batch=config.two_lane_batch,
+            simulate_accept_length=config.simulate_accept_length,
+            log_dir=log_dir,
+        )
+        rows = []
+        try:
+            gateway, target = services.port_of(stack, "gateway"), services.port_of(stack, "target")
+            for bs in config.batch_sizes:
+                say(f"services bs={bs}")
+                rows.append(services.through_gateway(gateway, mc.vocab_size, bs, config.workload))
+                say(_done(rows[-1]))
+                rows.append(
+                    services.through_control(
+                        target, mc.vocab_size, bs, config.workload, config.spec_steps
+                    )
+                )
+                say(_done(rows[-1]))
+        finally:
+            stack.stop()
+    return rows
+
+
+def _transformers(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
+    say(f"loading {config.target} in transformers")
+    model = hf.load(config.target, config.dtype, config.device)
+    rows = []
+    for bs in config.batch_sizes:
+        say(f"hf-generate bs={bs}")
+        rows.append(hf.run(model, bs, config.workload))
+        say(_done(rows[-1]))
+    assistant = None
+    if config.assistant is None:
+        rows.append(
+            Row(mode="hf-assisted", batch_size=1, note="skipped: no --assistant (a standalone LM)")
+        )
+    else:
+        assistant = hf.load(config.assistant, config.dtype, config.device)
+        say("hf-assisted bs=1")
+        row = hf.run(
+            model, 1, config.workload, assistant=assistant, num_assistant_tokens=config.spec_steps
+        )
+        row.note = "random draft: acceptance not simulated" if config.simulate_accept_length else ""
+        rows.append(row)
+        say(_done(row))
+        for bs in config.batch_sizes:
+            if bs > 1:
+                note = "skipped: transformers assists at bs=1 only"
+                rows.append(Row(mode="hf-assisted", batch_size=bs, note=note))
+    del model, assistant
+    _free()
+    return rows

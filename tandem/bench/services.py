@@ -1,0 +1,257 @@
+"""Speculation through the three services (``tandem.launch.build_stack`` on loopback).
+
+Two measurements per batch size, each its own row:
+
+- ``services``: ``batch_size`` concurrent ``Generate`` streams through the gateway's public
+  API (token-id prompts, no detokenisation): tokens/s, TPOT and TTFT from chunk arrival times,
+  accept length from each completion's usage.
+- ``services-control``: the same requests admitted on the target's Control stream, as the
+  gateway does (``bench/cycle_overhead.py``), to read every step's ``StepStats``: the cycle
+  split into draft / verify / wire+host and the acceptance per draft position. One lane.
+
+The target runs under ``tandem.bench.synced_target`` (the target service with the forward
+synchronised, as in process) and, with ``simulate_accept_length``, with
+``TANDEM_SIMULATE_ACCEPT_LENGTH`` in its environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from unittest import mock
+
+import grpc
+
+from tandem.bench.inprocess import Workload, fill_latency, prompts
+from tandem.bench.report import Row, median_ms
+from tandem.demo import free_port
+from tandem.launch import Stack, build_stack
+from tandem.spec import simulate
+from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
+
+
+def start_stack(
+    target: Path,
+    draft: Path,
+    *,
+    spec_steps: int,
+    device: str,
+    dtype: str,
+    page_size: int,
+    num_pages: int,
+    max_batch: int,
+    two_lane_batch: int,
+    simulate_accept_length: float | None,
+    log_dir: Path,
+) -> Stack:
+    stack = build_stack(
+        target=target,
+        draft=draft,
+        draft_kind="eagle3",
+        mtp_mode="chain",
+        spec_args=["--spec-steps", str(spec_steps), "--spec-topk", "1"],
+        page_size=page_size,
+        device=device,
+        dtype=dtype,
+        gateway_port=free_port(),
+        target_port=free_port(),
+        draft_port=free_port(),
+        draft_deadline_s=30.0,  # measure the pipeline, never its fallback
+        two_lane_batch=two_lane_batch,
+        extra_target_args=["--num-pages", str(num_pages), "--max-num-seqs", str(max_batch)],
+    )
+    for svc in stack.services:
+        if svc.name == "target":
+            svc.module = "tandem.bench.synced_target"
+    env = {}
+    if simulate_accept_length is not None:
+        env[simulate.ENV_VAR] = str(simulate_accept_length)
+    with mock.patch.dict(os.environ, env):  # the services inherit it; this process does not
+        stack.start(log_dir=log_dir)
+    return stack
+
+
+def port_of(stack: Stack, name: str) -> int:
+    return next(s.port for s in stack.services if s.name == name)
+
+
+def through_gateway(port: int, vocab: int, batch_size: int, w: Workload) -> Row:
+    async def main() -> Row:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            if w.warmup_tokens:
+                await _gateway_round(stub, prompts(vocab, batch_size, w.prompt_len, 99), w)
+            rounds = [
+                await _gateway_round(stub, prompts(vocab, batch_size, w.prompt_len, r), w, True)
+                for r in range(w.rounds)
+            ]
+        row = Row(mode="services", batch_size=batch_size, num_requests=batch_size * w.rounds)
+        tpots, ttfts, accepted, verify_steps = [], [], 0, 0
+        for duration, records in rounds:
+            row.duration_s += duration
+            for ttft, tpot, tokens, usage in records:
+                row.output_tokens += tokens
+                ttfts.append(ttft)
+                if tpot is not None:
+                    tpots.append(tpot)
+                accepted += usage.accepted_tokens
+                verify_steps += usage.verify_steps
+        row.tokens_per_s = row.output_tokens / row.duration_s
+        row.accept_length = (accepted + verify_steps) / verify_steps if verify_steps else None
+        fill_latency(row, tpots, ttfts)
+        return row
+
+    return asyncio.run(main())
+
+
+_Record = tuple[float, float | None, int, common_pb2.Usage]  # ttft ms, tpot ms, tokens, usage
+
+
+async def _gateway_round(
+    stub: gateway_pb2_grpc.GatewayServiceStub,
+    batch: list[list[int]],
+    w: Workload,
+    measured: bool = False,
+) -> tuple[float, list[_Record]]:
+    new_tokens = w.new_tokens if measured else w.warmup_tokens
+    start = time.perf_counter()
+
+    async def one(ids: list[int]) -> _Record:
+        request = gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=ids),
+            sampling=common_pb2.SamplingParams(
+                temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True
+            ),
+            stream_options=gateway_pb2.StreamOptions(detokenize=False),
+        )
+        first = last = 0.0
+        tokens = 0
+        usage = common_pb2.Usage()
+        async for response in stub.Generate(request):
+            which = response.WhichOneof("payload")
+            if which == "chunk" and response.chunk.token_ids:
+                last = time.perf_counter()
+                first = first or last
+                tokens += len(response.chunk.token_ids)
+            elif which == "complete":
+                usage = response.complete.usage
+            elif which == "error":
+                raise RuntimeError(f"gateway: {response.error.message}")
+        tpot = (last - first) * 1e3 / (tokens - 1) if tokens > 1 else None
+        return (first - start) * 1e3, tpot, tokens, usage
+
+    records = await asyncio.gather(*(one(ids) for ids in batch))
+    return time.perf_counter() - start, list(records)
+
+
+def through_control(port: int, vocab: int, batch_size: int, w: Workload, positions: int) -> Row:
+    """The requests admitted on the target's Control stream; per-step StepStats."""
+
+    async def main() -> Row:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            outbox: asyncio.Queue[target_pb2.ControlRequest] = asyncio.Queue()
+
+            async def requests():  # type: ignore[no-untyped-def]
+                while True:
+                    yield await outbox.get()
+
+            call = stub.Control(requests())
+            row = Row(mode="services-control", batch_size=batch_size)
+            log = _ControlLog()
+            if w.warmup_tokens:
+                await _control_round(call, outbox, batch_size, vocab, w, 99, None)
+            for r in range(w.rounds):
+                await _control_round(call, outbox, batch_size, vocab, w, r, (row, log))
+            call.cancel()
+        row.tokens_per_s = row.output_tokens / row.duration_s
+        _finish_control(row, log, positions)
+        return row
+
+    return asyncio.run(main())
+
+
+class _ControlLog:
+    """What the measured rounds saw beyond the row's totals."""
+
+    def __init__(self) -> None:
+        self.steps: list[target_pb2.StepStats] = []  # every step that verified something
+        self.tpots: list[float] = []  # ms per request
+        self.ttfts: list[float] = []  # ms per request
+
+
+async def _control_round(
+    call: grpc.aio.StreamStreamCall,
+    outbox: asyncio.Queue[target_pb2.ControlRequest],
+    batch_size: int,
+    vocab: int,
+    w: Workload,
+    salt: int,
+    measured: tuple[Row, _ControlLog] | None,
+) -> None:
+    """Admits a batch and reads steps until all of it finished; ``measured`` collects."""
+    new_tokens = w.new_tokens if measured is not None else w.warmup_tokens
+    start = time.perf_counter()
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for i, ids in enumerate(prompts(vocab, batch_size, w.prompt_len, salt)):
+        admit = target_pb2.AdmitCommand(
+            request_id=f"bench-{salt}-{i}",
+            prompt_token_ids=ids,
+            sampling=common_pb2.SamplingParams(
+                temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True
+            ),
+        )
+        admit.speculation.enabled = True
+        await outbox.put(target_pb2.ControlRequest(admit=admit))
+    finished = 0
+    while finished < batch_size:
+        response = await call.read()
+        if response is grpc.aio.EOF:
+            raise RuntimeError("the target ended the control stream")
+        if response.WhichOneof("event") != "step":
+            continue
+        now = time.perf_counter()
+        for commit in response.step.commits:
+            if commit.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                raise RuntimeError(f"the target refused a request: {commit.error.message}")
+            if commit.token_ids:
+                first.setdefault(commit.request_id, now)
+                last[commit.request_id] = now
+                counts[commit.request_id] = counts.get(commit.request_id, 0) + len(commit.token_ids)
+            finished += commit.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        if measured is not None and response.step.stats.batch_size:
+            measured[1].steps.append(response.step.stats)
+    if measured is None:
+        return
+    row, log = measured
+    row.duration_s += time.perf_counter() - start
+    row.num_requests += batch_size
+    row.output_tokens += sum(counts.values())
+    for rid, n in counts.items():
+        log.ttfts.append((first[rid] - start) * 1e3)
+        if n > 1:
+            log.tpots.append((last[rid] - first[rid]) * 1e3 / (n - 1))
+
+
+def _finish_control(row: Row, log: _ControlLog, positions: int) -> None:
+    steps = log.steps
+    fill_latency(row, log.tpots, log.ttfts)
+    if not steps:
+        return
+    row.cycle_ms = median_ms([s.step_ns for s in steps])
+    row.verify_ms = median_ms([s.verify_ns for s in steps])
+    row.draft_ms = median_ms([s.draft_ns for s in steps])
+    row.wire_host_ms = median_ms([s.wire_ns + s.host_ns for s in steps])
+    verify_steps = sum(s.batch_size for s in steps)
+    committed = sum(s.num_committed_tokens for s in steps)
+    row.accept_length = committed / verify_steps
+    drafts = sum(s.num_speculating for s in steps)
+    per_pos = [0] * positions
+    for s in steps:
+        for d, n in enumerate(list(s.num_accepted_per_pos)[:positions]):
+            per_pos[d] += n
+    row.acceptance_per_position = [n / drafts for n in per_pos] if drafts else []

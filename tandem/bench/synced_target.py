@@ -1,0 +1,31 @@
+"""``python -m tandem.bench.synced_target``: the target service for benchmarks, its forward
+followed by a device synchronisation so that StepStats.verify_ns is the forward's GPU time
+(``tandem.bench.inprocess.synced_forward``; a no-op on CPU). Flags as ``python -m
+target_service``."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+import torch
+
+import target_service.__main__ as target_main
+from tandem.runner import ModelRunner
+
+
+def _synced(forward: Any) -> Any:
+    @functools.wraps(forward)
+    def run(self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
+        out = forward(self, *args, **kwargs)
+        if str(self.device).startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+        return out
+
+    return run
+
+
+if __name__ == "__main__":
+    ModelRunner.forward = _synced(ModelRunner.forward)  # type: ignore[method-assign]
+    asyncio.run(target_main.main(target_main.parse_args()))

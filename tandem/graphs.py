@@ -1,0 +1,422 @@
+"""CUDA-graph runner for the target's decode and verify steps (DESIGN.md section 7).
+
+A step in which every request verifies a tree (plain decoding: a tree of one node) replays the
+graph of its bucket: ``batch_size`` requests, the smallest captured size that holds the batch,
+of ``width`` rows each, 1 when every tree has one node, else the smallest captured width that
+holds the largest tree (the spec tree size N). Shorter trees and missing requests pad. Any other
+step (a prompt chunk, a tree wider than every width, more requests than the largest bucket)
+runs eagerly.
+
+What a replay may and may not do (SGLang #25015, #22041 in ``shared/seeds``):
+
+- Inputs live in static buffers that the host refills before each replay: one packed staging
+  tensor, one host-to-device copy. Positions come from the committed length and the tree
+  depths, computed on the host; the captured region increments nothing, and it writes only the
+  KV of real rows and the runner's own output buffers, so replaying it again with the same
+  inputs gives the same result.
+- Padding: rows past a tree's size have slot -1 (``store_kv`` skips them) and an empty mask row
+  (they see the prefix); padding requests have ``seq_len = prefix_len = 0`` (they see nothing).
+  Every padded row yields finite values that nobody reads.
+- Outputs (logits, captured target features) are written inside the graph into buffers the
+  runner owns, and the real rows are gathered into new tensors right after the replay, before
+  the next replay overwrites them.
+
+``capture=False`` ("eager static") runs the same buffers and padding without capturing, for
+CPU tests (Triton interpreted) and for debugging a graph against its own eager twin.
+
+Known limits: the page table is uploaded whole (``batch_size x max_pages`` int32) with every
+step; a device-resident page table updated on allocation lifts that. A change of the captured
+feature layers (a remote draft announces them when it connects) recaptures every bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tandem.attention import AttentionMetadata, GraphMetadata
+from tandem.kv import KVCache
+from tandem.models import DecoderLM, ForwardContext
+from tandem.spec.types import Tree
+
+if TYPE_CHECKING:  # triton is imported when a runner is built, never by importing this module
+    from tandem.attention.triton_backend import GraphAttention, TritonAttention
+
+logger = logging.getLogger(__name__)
+
+_WORD_BITS = 64
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """One captured shape: ``batch_size`` requests of ``width`` query rows."""
+
+    batch_size: int
+    width: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_size * self.width
+
+
+@dataclass
+class GraphBatch:
+    """One step in a bucket's padded layout, as host lists (``TargetGraphRunner.plan``)."""
+
+    bucket: Bucket
+    input_ids: list[int]  # [num_tokens] (request i's row j at i * width + j)
+    positions: list[int]  # [num_tokens]
+    slot_mapping: list[int]  # [num_tokens], -1 for padding rows
+    tree_mask: list[int]  # [num_tokens * num_words] signed int64 words of ancestor bits
+    seq_lens: list[int]  # [batch_size], 0 for padding requests
+    prefix_lens: list[int]  # [batch_size]
+    pages: list[list[int]]  # per real request, its pages in logical order
+    rows: list[int]  # [num_rows] the real rows, in the flat order of the eager batch
+
+
+@dataclass
+class _Layout:
+    """Where a bucket's inputs sit in the packed int64 staging buffer: ``(offset, numel)``
+    per input, in int64 elements; the int32 page table takes half an element per entry."""
+
+    spans: dict[str, tuple[int, int]]
+    total: int
+
+    @classmethod
+    def of(cls, bucket: Bucket, num_words: int, max_pages: int) -> _Layout:
+        bs, t = bucket.batch_size, bucket.num_tokens
+        sizes = {
+            "input_ids": t,
+            "positions": t,
+            "slot_mapping": t,
+            "rows": t,
+            "query_start_loc": bs + 1,
+            "seq_lens": bs,
+            "prefix_lens": bs,
+            "tree_mask": t * num_words,
+            "page_table": -(-bs * max_pages // 2),
+        }
+        spans, offset = {}, 0
+        for name, size in sizes.items():
+            spans[name] = (offset, size)
+            offset += size
+        return cls(spans=spans, total=offset)
+
+
+@dataclass
+class _Entry:
+    """A bucket's views into the static buffers, and its graph once captured."""
+
+    bucket: Bucket
+    layout: _Layout
+    backend: GraphAttention  # over the bucket's GraphMetadata
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    rows: torch.Tensor  # [num_tokens] int64 (the first num_rows are the step's)
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class TargetGraphRunner:
+    """Static buffers, buckets, capture and replay of ``DecoderLM`` decode/verify steps."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        kv: KVCache,
+        *,
+        batch_sizes: Sequence[int],
+        widths: Sequence[int],
+        max_model_len: int,
+        attention: TritonAttention | None = None,
+        capture: bool = True,
+    ) -> None:
+        if not batch_sizes or not widths or min(*batch_sizes, *widths) < 1:
+            raise ValueError("batch_sizes, widths: need at least one size each, all >= 1")
+        self.model = model
+        self.kv = kv
+        self.device = kv.k_caches[0].device
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"capture: CUDA graphs need a CUDA device, not {self.device}")
+        self.use_graphs = capture
+        from tandem.attention.triton_backend import TritonAttention
+
+        # The eager backend's split policy (a fixed count, or the heuristic) sizes the buckets.
+        self.attention = attention or TritonAttention()
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.widths = sorted(set(widths))
+        self.buckets = [Bucket(b, w) for w in self.widths for b in self.batch_sizes]
+        page_size = kv.spec.page_size
+        self.num_words = -(-self.widths[-1] // _WORD_BITS)
+        # A verified tree sits at KV indices [L - 1, L - 1 + width) with L <= max_model_len.
+        self.max_pages = -(-(max_model_len + self.widths[-1]) // page_size)
+        layouts = {b: _Layout.of(b, self.num_words, self.max_pages) for b in self.buckets}
+        size = max(layout.total for layout in layouts.values())
+        on_cuda = self.device.type == "cuda"
+        self._staging = torch.zeros(size, dtype=torch.int64, pin_memory=on_cuda)
+        self._staging_np = self._staging.numpy()
+        self._inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
+        self._copied = torch.cuda.Event() if on_cuda else None  # the staging may be rewritten
+        c = model.config
+        max_tokens = self.batch_sizes[-1] * self.widths[-1]
+        self._logits = torch.zeros(max_tokens, c.vocab_size, device=self.device)
+        self._features: torch.Tensor | None = None  # [max_tokens, F] once layers are known
+        self.layers: tuple[int, ...] = ()
+        self.replays: dict[Bucket, int] = {}  # steps run per bucket (graph or eager static)
+        self.num_captures = 0  # rounds of capture (one at start, one per change of layers)
+        self._entries = {b: self._entry(b, layouts[b]) for b in self.buckets}
+        # The context's metadata, never read: GraphAttention reads its bucket's buffers.
+        self._placeholder = AttentionMetadata.build(
+            page_size=page_size,
+            query_lens=[],
+            seq_lens=[],
+            page_table=torch.zeros(0, 0, dtype=torch.int32, device=self.device),
+            slot_mapping=torch.zeros(0, dtype=torch.int64, device=self.device),
+        )
+
+    # -- planning (host only) ---------------------------------------------------------------
+
+    def bucket_for(self, batch_size: int, max_tree: int) -> Bucket | None:
+        """The smallest bucket that holds ``batch_size`` trees of at most ``max_tree`` nodes."""
+        bs = next((b for b in self.batch_sizes if b >= batch_size), None)
+        width = next((w for w in self.widths if w >= max_tree), None)
+        if bs is None or width is None:
+            return None
+        return Bucket(bs, width)
+
+    def plan(
+        self, request_ids: Sequence[str], starts: Sequence[int], trees: Sequence[Tree]
+    ) -> GraphBatch | None:
+        """The step in its bucket's layout (None when no bucket fits). Request ``i`` verifies
+        ``trees[i]`` at KV indices ``starts[i] + node``, RoPE positions ``starts[i] + depth``;
+        its slots must be reserved already."""
+        if not trees:
+            return None
+        bucket = self.bucket_for(len(trees), max(len(t) for t in trees))
+        if bucket is None:
+            return None
+        alloc, width, words = self.kv.allocator, bucket.width, self.num_words
+        batch = GraphBatch(bucket, [], [], [], [], [], [], [], [])
+        for i, (request_id, start, tree) in enumerate(zip(request_ids, starts, trees, strict=True)):
+            n, pad = len(tree), width - len(tree)
+            batch.input_ids += [*tree.tokens, *[0] * pad]
+            batch.positions += [*(start + d for d in tree.depths), *[0] * pad]
+            batch.slot_mapping += [*alloc.slot_mapping(request_id, start, start + n), *[-1] * pad]
+            batch.tree_mask += [*_mask_words(tree, words), *[0] * (pad * words)]
+            batch.seq_lens.append(start + n)
+            batch.prefix_lens.append(start)
+            batch.pages.append(alloc.pages(request_id))
+            batch.rows += range(i * width, i * width + n)
+        missing = bucket.batch_size - len(trees)
+        batch.input_ids += [0] * (missing * width)
+        batch.positions += [0] * (missing * width)
+        batch.slot_mapping += [-1] * (missing * width)
+        batch.tree_mask += [0] * (missing * width * words)
+        batch.seq_lens += [0] * missing
+        batch.prefix_lens += [0] * missing
+        return batch
+
+    # -- capture ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self, layers: Sequence[int] = ()) -> None:
+        """Sets the target layers whose features every step returns, and (with graphs) captures
+        every bucket for them, largest first so that smaller graphs reuse the pool."""
+        self.layers = tuple(layers)
+        self._features = None
+        if self.layers:
+            width = len(self.layers) * self.model.config.hidden_size
+            dtype = self.model.embed_tokens.weight.dtype
+            self._features = torch.zeros(len(self._logits), width, dtype=dtype, device=self.device)
+        if not self.use_graphs:
+            return
+        for entry in self._entries.values():
+            entry.graph = None  # frees the old pool once every graph of it is gone
+        torch.cuda.synchronize(self.device)
+        free_before, total = torch.cuda.mem_get_info(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        started = time.perf_counter()
+        order = sorted(self.buckets, key=lambda b: (b.num_tokens, b), reverse=True)
+        for k, bucket in enumerate(order, 1):
+            t0 = time.perf_counter()
+            entry = self._entries[bucket]
+            self._stage(entry, self._empty(bucket))
+            self._forward(entry)  # compiles the kernels and warms cuBLAS outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the draft client's threads may touch CUDA meanwhile.
+            with (
+                torch.cuda.device(self.device),
+                torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"),
+            ):
+                self._forward(entry)
+            entry.graph = graph
+            logger.info(
+                "CUDA graph %d/%d: %d requests x %d rows in %.2f s",
+                k,
+                len(order),
+                bucket.batch_size,
+                bucket.width,
+                time.perf_counter() - t0,
+            )
+        torch.cuda.synchronize(self.device)
+        self.num_captures += 1
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        logger.info(
+            "captured %d CUDA graphs (batch sizes %s, widths %s, layers %s) in %.1f s: "
+            "%.0f MiB, %.1f of %.1f GiB free",
+            len(order),
+            self.batch_sizes,
+            self.widths,
+            list(self.layers),
+            time.perf_counter() - started,
+            (free_before - free_after) / 2**20,
+            free_after / 2**30,
+            total / 2**30,
+        )
+
+    @property
+    def captured(self) -> bool:
+        """Whether every bucket replays a graph (False in eager static mode)."""
+        return all(entry.graph is not None for entry in self._entries.values())
+
+    # -- running ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(
+        self, batch: GraphBatch, layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [num_rows, vocab] fp32, [num_rows, F]
+        """Stages ``batch``, replays its bucket (or runs it eagerly on the static buffers) and
+        returns new tensors with the logits and features of the real rows."""
+        if tuple(layers) != self.layers:
+            logger.info("target feature layers %s -> %s", list(self.layers), list(layers))
+            self.capture(layers)
+        entry = self._entries[batch.bucket]
+        self._stage(entry, batch)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            self._forward(entry)
+        self.replays[batch.bucket] = self.replays.get(batch.bucket, 0) + 1
+        rows = entry.rows[: len(batch.rows)]
+        logits = self._logits.index_select(0, rows)
+        features = None if self._features is None else self._features.index_select(0, rows)
+        return logits, features
+
+    def _forward(self, entry: _Entry) -> None:
+        """The captured region: the model over the bucket's static inputs, outputs into the
+        runner's buffers. Reads the inputs, writes KV of real rows and the outputs, no more."""
+        ctx = ForwardContext(kv=self.kv, meta=self._placeholder, backend=entry.backend)
+        out = self.model(entry.input_ids, entry.positions, ctx, self.layers)
+        num_tokens = entry.bucket.num_tokens
+        self._logits[:num_tokens].copy_(self.model.compute_logits(out.hidden))
+        if self._features is not None:
+            self._features[:num_tokens].copy_(torch.cat(out.captured, dim=-1))
+
+    def _stage(self, entry: _Entry, batch: GraphBatch) -> None:
+        """Writes ``batch`` into the host staging buffer, then one copy to the device."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has read the staging buffer
+        host, layout, bucket = self._staging_np, entry.layout, entry.bucket
+        values = {
+            "input_ids": batch.input_ids,
+            "positions": batch.positions,
+            "slot_mapping": batch.slot_mapping,
+            "query_start_loc": range(0, bucket.num_tokens + 1, bucket.width),
+            "seq_lens": batch.seq_lens,
+            "prefix_lens": batch.prefix_lens,
+            "tree_mask": batch.tree_mask,
+        }
+        for name, value in values.items():
+            offset, size = layout.spans[name]
+            host[offset : offset + size] = value
+        offset, _ = layout.spans["rows"]
+        host[offset : offset + len(batch.rows)] = batch.rows
+        offset, size = layout.spans["page_table"]
+        table = host[offset : offset + size].view(np.int32)[: bucket.batch_size * self.max_pages]
+        table = table.reshape(bucket.batch_size, self.max_pages)
+        table[:] = 0  # the null page
+        for i, pages in enumerate(batch.pages):
+            table[i, : len(pages)] = pages
+        total = layout.total
+        self._inputs[:total].copy_(self._staging[:total], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    # -- buffers ----------------------------------------------------------------------------
+
+    def _entry(self, bucket: Bucket, layout: _Layout) -> _Entry:
+        from tandem.attention.triton_backend import GraphAttention
+
+        def view(name: str) -> torch.Tensor:
+            offset, size = layout.spans[name]
+            return self._inputs[offset : offset + size]
+
+        bs, num_tokens = bucket.batch_size, bucket.num_tokens
+        page_table = view("page_table").view(torch.int32)[: bs * self.max_pages]
+        c = self.model.config
+        meta = GraphMetadata(
+            page_size=self.kv.spec.page_size,
+            width=bucket.width,
+            num_splits=self.attention.graph_splits(
+                batch_size=bs,
+                width=bucket.width,
+                num_heads=c.num_heads,
+                num_kv_heads=c.num_kv_heads,
+                head_dim=c.head_dim,
+                max_kv_len=self.max_pages * self.kv.spec.page_size,
+                device=self.device,
+            ),
+            query_start_loc=view("query_start_loc"),
+            seq_lens=view("seq_lens"),
+            prefix_lens=view("prefix_lens"),
+            tree_mask=view("tree_mask").view(num_tokens, self.num_words),
+            page_table=page_table.view(bs, self.max_pages),
+            slot_mapping=view("slot_mapping"),
+        )
+        return _Entry(
+            bucket=bucket,
+            layout=layout,
+            backend=GraphAttention(meta),
+            input_ids=view("input_ids"),
+            positions=view("positions"),
+            rows=view("rows"),
+        )
+
+    def _empty(self, bucket: Bucket) -> GraphBatch:
+        """A batch of padding requests only: what capture runs (it touches no live KV)."""
+        t, bs = bucket.num_tokens, bucket.batch_size
+        return GraphBatch(
+            bucket=bucket,
+            input_ids=[0] * t,
+            positions=[0] * t,
+            slot_mapping=[-1] * t,
+            tree_mask=[0] * (t * self.num_words),
+            seq_lens=[0] * bs,
+            prefix_lens=[0] * bs,
+            pages=[],
+            rows=[],
+        )
+
+
+def _mask_words(tree: Tree, num_words: int) -> list[int]:  # [len(tree) * num_words]
+    """Each node's ancestor bits (bit j = node j, itself included) as signed int64 words."""
+    bits: list[int] = []
+    for i, parent in enumerate(tree.parents):
+        bits.append((bits[parent] if parent >= 0 else 0) | 1 << i)
+    words = []
+    for row in bits:
+        for k in range(num_words):
+            word = row >> (k * _WORD_BITS) & (1 << _WORD_BITS) - 1
+            words.append(word - (1 << _WORD_BITS) if word >> (_WORD_BITS - 1) else word)
+    return words
+
+
+def graph_widths(tree_size: int | None) -> tuple[int, ...]:
+    """Rows per request to capture: 1 (decode), and the spec tree size N when speculating."""
+    return (1,) if tree_size is None or tree_size == 1 else (1, tree_size)
