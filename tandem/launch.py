@@ -124,6 +124,7 @@ def build_stack(
     draft_deadline_s: float = 1.0,
     two_lane_batch: int = 16,
     extra_target_args: Sequence[str] = (),
+    extra_gateway_args: Sequence[str] = (),
 ) -> Stack:
     common = ["--device", device, "--dtype", dtype, "--page-size", str(page_size)]
     services = []
@@ -168,6 +169,7 @@ def build_stack(
                 str(gateway_port),
                 "--two-lane-batch",
                 str(two_lane_batch),
+                *extra_gateway_args,
             ],
             gateway_port,
         )

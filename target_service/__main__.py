@@ -196,6 +196,9 @@ def status(engine: Engine, drafter: object) -> target_pb2.TargetStatus:
     out.kv_usage.pages_total = alloc.num_pages
     out.kv_usage.pages_used = alloc.num_pages - alloc.num_free_pages
     out.kv_usage.page_size = alloc.page_size
+    draft_kv = getattr(drafter, "kv_usage", None)  # the draft's pool after its last answer
+    if draft_kv is not None and draft_kv.pages_total:
+        out.draft_kv_usage.CopyFrom(draft_kv)
     state = getattr(drafter, "state", None)
     if state is not None:
         out.draft_state = int(state)  # type: ignore[assignment]
