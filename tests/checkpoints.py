@@ -23,7 +23,10 @@ def load_hf(path: Path) -> Any:
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """transformers' greedy generate of exactly ``new_tokens`` per prompt: the reference."""
+    """transformers' greedy generate of exactly ``new_tokens`` per prompt: the reference for
+    Tandem's ``ignore_eos``, where EOS is a token like any other and generation goes on. In
+    ``generate`` that is ``eos_token_id=None`` (``min_new_tokens`` would instead forbid EOS,
+    which a trained model that predicts it then diverges from)."""
     hf = load_hf(path)
     out = []
     for p in prompts:
@@ -33,7 +36,7 @@ def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[lis
                 attention_mask=torch.ones(1, len(p), dtype=torch.long),
                 do_sample=False,
                 max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
+                eos_token_id=None,
                 pad_token_id=0,
             )
         out.append(ids[0, len(p) :].tolist())

@@ -20,7 +20,7 @@ from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig
 from tandem.train.corpus import path_fraction
 from tandem.train.prompts import read_prompts
-from tests.train.hf_reference import hf_greedy_ignore_eos
+from tests.checkpoints import hf_greedy
 
 REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 16
@@ -69,7 +69,7 @@ def test_target_loads_in_transformers_and_tandem_greedy_matches(family: Path) ->
     assert all(p[0] == tokenizer.bos_token_id for p in prompts)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     ours = [r.token_ids for r in Engine(EngineConfig(model=target)).generate(prompts, params)]
-    assert ours == hf_greedy_ignore_eos(target, prompts, NEW_TOKENS)
+    assert ours == hf_greedy(target, prompts, NEW_TOKENS)
     for kind, (k, s, n) in {"eagle3": (4, 5, 16), "mtp": (1, 3, 4), "model": (2, 3, 6)}.items():
         config = DraftConfig(kind=kind, path=family / kind, target=target)
         spec = SpecConfig(num_steps=s, topk=k, num_draft_tokens=n)

@@ -16,7 +16,7 @@ from tandem.sampling import SamplingParams
 from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig
 from tandem.train.prompts import read_prompts
-from tests.train.hf_reference import hf_greedy_ignore_eos
+from tests.checkpoints import hf_greedy
 
 FAMILY = Path(__file__).resolve().parents[2] / "checkpoints" / "tandem-code-ref"
 NUM_PROMPTS = 16  # the first held-out prompts (bench/accept_table.py checks 64 x 128 tokens)
@@ -50,7 +50,7 @@ def test_greedy_equals_transformers_and_drafts_are_lossless() -> None:
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     config = EngineConfig(model=target, max_num_seqs=NUM_PROMPTS)
     ours = [r.token_ids for r in Engine(config).generate(prompts, params)]
-    assert ours == hf_greedy_ignore_eos(target, prompts, NEW_TOKENS)
+    assert ours == hf_greedy(target, prompts, NEW_TOKENS)
     layers = ModelConfig.from_pretrained(target).num_layers
     for kind in ("eagle3", "mtp", "model"):
         draft = DraftConfig(kind=kind, path=FAMILY / kind, target=target)
