@@ -1,4 +1,4 @@
-"""The shipped reference family (``checkpoints/tandem-code-ref``), once it is checked in: sizes,
+"""The shipped reference family (``checkpoints/tandem-code-ref``, checked in): sizes,
 loading in transformers and in Tandem, Tandem's greedy output == transformers' on the held-out
 prompts, and lossless speculation with each shipped draft."""
 
@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import pytest
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
@@ -21,10 +19,6 @@ from tests.checkpoints import hf_greedy
 FAMILY = Path(__file__).resolve().parents[2] / "checkpoints" / "tandem-code-ref"
 NUM_PROMPTS = 16  # the first held-out prompts (bench/accept_table.py checks 64 x 128 tokens)
 NEW_TOKENS = 32
-
-pytestmark = pytest.mark.skipif(
-    not (FAMILY / "family.json").is_file(), reason="checkpoints/tandem-code-ref is not trained yet"
-)
 
 
 def test_family_is_complete_and_small() -> None:
