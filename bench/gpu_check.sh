@@ -3,7 +3,8 @@
 # GPU image's versions (torch 2.11, transformers 5.17, grpcio 1.84). Prints a short table; full
 # logs go to $OUT. Usage on the device machine, from the repo root:
 #
-#   bash bench/gpu_check.sh [SECTION ...]     sections: gpu kernels cpu (default: gpu kernels)
+#   bash bench/gpu_check.sh [SECTION ...]     sections: gpu kernels profile parity cpu
+#                                             (default: gpu kernels)
 #
 # Wheels the image lacks travel in .whl/ (bench/device_wheels.sh makes it; carry ".whl").
 set -uo pipefail
@@ -48,6 +49,20 @@ if want kernels; then
   python3 bench/attention_bench.py > "$OUT/attention_bench.txt" 2>&1
   rc=$?; row "bench/attention_bench.py" $rc "$OUT/attention_bench.txt"; rc_all=$((rc_all | rc))
 fi
+if want profile; then
+  # Target-only decode on the 8B shape: host time per phase, GPU kernels and busy time per step.
+  for bs in 1 32; do
+    python3 bench/profile_decode.py --batch-size $bs --steps 48 --profile-steps 6 \
+      --json "$OUT/profile_bs$bs.json" > "$OUT/profile_bs$bs.txt" 2>&1
+    rc=$?; row "bench/profile_decode.py bs=$bs" $rc "$OUT/profile_bs$bs.txt"; rc_all=$((rc_all | rc))
+  done
+fi
+if want parity; then
+  # Greedy parity through the services, reference family, 64 held-out prompts, fp32 and bf16.
+  python3 bench/gpu_parity.py --log-dir "$OUT/parity-logs" --json "$OUT/parity.json" \
+    > "$OUT/parity.txt" 2>&1
+  rc=$?; row "bench/gpu_parity.py" $rc "$OUT/parity.txt"; rc_all=$((rc_all | rc))
+fi
 if want cpu; then
   # test_protos regenerates stubs with grpcio-tools and runs buf: neither is on the GPU image.
   python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/unit/test_protos.py \
@@ -58,7 +73,8 @@ fi
 
 printf '%-44s %-8s %s\n' "check" "result" "summary"
 printf '%s\n' "${rows[@]}"
-for f in "$OUT"/kernels_bench.txt "$OUT"/attention_bench.txt; do
+for f in "$OUT"/kernels_bench.txt "$OUT"/attention_bench.txt "$OUT"/profile_bs*.txt \
+         "$OUT"/parity.txt; do
   [ -f "$f" ] && { echo; echo "== $(basename "$f")"; cat "$f"; }
 done
 exit $rc_all

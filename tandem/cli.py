@@ -104,6 +104,13 @@ def generate(
         Path | None,
         typer.Option(envvar="TANDEM_DRAFT", help="Draft checkpoint directory (speculation on)."),
     ] = None,
+    spec_policy: Annotated[
+        str,
+        typer.Option(
+            help="fixed: speculate every step; adaptive: per batch size, only while it beats "
+            "K=0 decoding."
+        ),
+    ] = "fixed",
     draft_kind: Annotated[
         str | None,
         typer.Option(help="eagle3, eagle, mtp, model or ngram (ngram needs no --draft)."),
@@ -183,6 +190,7 @@ def generate(
             max_num_batched_tokens=max_num_batched_tokens,
             num_pages=num_pages,
             cuda_graphs=cuda_graphs,
+            spec_policy=spec_policy,
         )
         drafter = spec = None
         if draft is not None or draft_kind is not None:

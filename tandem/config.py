@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+SPEC_POLICIES = ("fixed", "adaptive")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,6 +32,9 @@ class EngineConfig:
     # Perf only (tandem.spec.simulate): accept this mean length whatever the drafts are; the
     # output is then not the target's. Set by `tandem bench` and TANDEM_SIMULATE_ACCEPT_LENGTH.
     simulate_accept_length: float | None = None
+    # "fixed": speculate every step (with a drafter); "adaptive": per batch size, speculate
+    # only while it commits more tokens per second than K=0 decoding (tandem/spec/policy.py).
+    spec_policy: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,6 +55,8 @@ class EngineConfig:
         sizes = self.cuda_graph_batch_sizes
         if not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes)):
             raise ValueError("cuda_graph_batch_sizes: need increasing sizes >= 1")
+        if self.spec_policy not in SPEC_POLICIES:
+            raise ValueError(f"spec_policy: {self.spec_policy!r} is not one of {SPEC_POLICIES}")
         if self.simulate_accept_length is not None and self.simulate_accept_length < 1.0:
             raise ValueError("simulate_accept_length: must be >= 1 when given")
 

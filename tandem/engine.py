@@ -34,6 +34,7 @@ from tandem.sampling import SamplingParams, make_generator
 from tandem.scheduler import ScheduledBatch, Scheduler
 from tandem.spec.base import Drafter
 from tandem.spec.exchange import DraftExchange
+from tandem.spec.policy import SpecPolicy
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import SpecConfig, SpecStats
 from tandem.spec.verify import Verified, compact, verify
@@ -144,6 +145,11 @@ class Engine:
                 vocab_size=mc.vocab_size,
                 max_model_len=self.max_model_len,
             )
+        # Adaptive speculation: per batch size, speculate or decode with K=0 (spec/policy.py).
+        self.policy: SpecPolicy | None = None
+        if self.exchange is not None and config.spec_policy == "adaptive":
+            self.policy = SpecPolicy()
+        self.last_speculated = False  # whether the last step's lane ran with K > 0
         self.last_lane = MAX_LANES - 1  # the lane the last step ran (lane 0 goes first)
         self.last_stats = SpecStats()  # the last step's verifications, all requests together
         self.last_timing = StepTiming()
@@ -240,9 +246,17 @@ class Engine:
         lane = min(lanes, key=lambda n: (n - self.last_lane - 1) % MAX_LANES)
         self.last_lane = lane
         self.last_stats = SpecStats()
+        speculate = exchange is not None
         if exchange is not None:
             exchange.collect_idle(lanes)
             exchange.collect(lane)
+            lane_size = sum(1 for r in self.scheduler.running if r.lane == lane)
+            if self.policy is not None and not self.policy.speculate(max(1, lane_size)):
+                speculate = False  # K=0: plain decoding; trees that came back go unused
+                for req in self.scheduler.running:
+                    if req.lane == lane:
+                        req.tree = None
+        self.last_speculated = speculate
         batch = self.scheduler.schedule(lane)
         if not batch:
             return []
@@ -263,13 +277,17 @@ class Engine:
             [v.logprobs if v else [] for v in verified],
         )
         if exchange is not None:
-            exchange.submit(lane, batch, inputs, outputs, verified, self._take_released())
+            released = self._take_released()
+            exchange.submit(lane, batch, inputs, outputs, verified, released, draft=speculate)
         self.last_timing = StepTiming(
             total_ns=time.perf_counter_ns() - started,
             forward_ns=forward_ns,
             draft_wait_ns=exchange.wait_ns if exchange is not None else 0,
             draft_model_ns=(self.drafter.model_ns - draft_model_before) if self.drafter else 0,
         )
+        if self.policy is not None and all(decoding):
+            committed = sum(len(out.new_token_ids) for out in results)
+            self.policy.record(len(batch), committed, self.last_timing.total_ns)
         return results
 
     def _verify(

@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 
 from tandem import __version__, security, serving, telemetry
-from tandem.config import EngineConfig
+from tandem.config import SPEC_POLICIES, EngineConfig
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 from tandem.spec import simulate
@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=graphs,
         help="decode/verify steps through CUDA graphs (default: on for CUDA devices)",
     )
+    p.add_argument(
+        "--spec-policy",
+        choices=SPEC_POLICIES,
+        default=env("TANDEM_TARGET_SPEC_POLICY", "fixed"),
+        help="fixed: speculate every step; adaptive: per batch size, speculate only while it "
+        "commits more tokens per second than K=0 decoding (default: fixed)",
+    )
     p.add_argument("--reflection", action="store_true")
     p.add_argument("--grace", type=float, default=float(env("TANDEM_TARGET_GRACE", "10")))
     p.add_argument("--log-level", default=env("TANDEM_LOG_LEVEL", "INFO"))
@@ -120,6 +127,7 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
             dtype=a.dtype,
             cuda_graphs=a.cuda_graphs,
             simulate_accept_length=accept_length,
+            spec_policy=a.spec_policy,
         ),
         host=a.host,
         port=a.port,

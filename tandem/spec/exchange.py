@@ -6,6 +6,12 @@ tokens, bonus token, the accepted path's features) and released ids. At the lane
 ``collect`` attaches the trees that came back. A tree answers only the submission it was
 drafted for (``Request.draft_seq``): a request that stepped again in between (it moved lanes,
 or its tree was late) decodes that step without one, never with a stale one.
+
+K=0 steps (the adaptive policy, ``tandem.spec.policy``) submit with ``draft=False``: their
+outcomes are held back per request and merged (tokens and features concatenate exactly as the
+draft would have applied them one by one), so the draft does no work while the lane decodes
+plainly. They go out in one extend when speculation resumes, or once ``HOLD_TOKENS`` pile up
+(which bounds the features held here; that answer's trees are unused while K=0 lasts).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from tandem.spec.types import DraftAdmit, SpecConfig, VerifyOutcome
 from tandem.spec.verify import Verified
 
 logger = logging.getLogger(__name__)
+
+HOLD_TOKENS = 64  # committed tokens a request may hold back from the draft during K=0
 
 
 class DraftExchange:
@@ -43,6 +51,7 @@ class DraftExchange:
         # Per lane, the submission whose trees are not collected yet: request id -> draft_seq.
         self.awaiting: dict[int, dict[str, int]] = {}
         self.wait_ns = 0  # time in the drafter's submit/collect since the engine reset it
+        self.held: dict[str, VerifyOutcome] = {}  # K=0 outcomes not sent yet, merged
 
     def other_lane_in_flight(self, lane: int) -> bool:
         """Whether another lane's trees are being drafted right now."""
@@ -57,6 +66,8 @@ class DraftExchange:
 
     def flush(self, released: list[str], lane: int) -> None:
         """Collects every outstanding answer; then tells the draft about ``released``."""
+        for request_id in released:
+            self.held.pop(request_id, None)
         for waiting in list(self.awaiting):
             self.collect(waiting)
         if released:
@@ -71,9 +82,12 @@ class DraftExchange:
         outputs: ModelOutputs,
         verified: list[Verified | None],
         released: list[str],
+        *,
+        draft: bool = True,
     ) -> None:
         """Submits the step's outcome to the draft; the trees come at the lane's next step.
-        ``released``: requests finished, aborted or preempted since the draft last heard."""
+        ``released``: requests finished, aborted or preempted since the draft last heard.
+        ``draft=False`` (a K=0 step): outcomes are held back (see the module docstring)."""
         self._apply_dropped()
         admits: list[DraftAdmit] = []
         outcomes: list[VerifyOutcome] = []
@@ -101,14 +115,23 @@ class DraftExchange:
                         req.in_draft = req.speculate = False
                 continue
             assert v is not None, "a request the draft tracks ran without verification"
-            outcomes.append(
-                VerifyOutcome(
-                    request_id=req.request_id,
-                    accepted_token_ids=v.new_tokens[:-1],
-                    bonus_token_id=v.new_tokens[-1],
-                    features=_rows(features, [start + n for n in v.accept_nodes]),
-                )
+            outcome = VerifyOutcome(
+                request_id=req.request_id,
+                accepted_token_ids=v.new_tokens[:-1],
+                bonus_token_id=v.new_tokens[-1],
+                features=_rows(features, [start + n for n in v.accept_nodes]),
             )
+            held = self.held.pop(req.request_id, None)
+            if held is not None:
+                outcome = _merge(held, outcome)
+            if draft or len(outcome.accepted_token_ids) + 1 >= HOLD_TOKENS:
+                outcomes.append(outcome)
+            else:
+                self.held[req.request_id] = outcome
+        for request_id in released:
+            self.held.pop(request_id, None)
+        if not (admits or outcomes or released):
+            return  # a K=0 step with nothing to send: the draft does no work
         awaiting: dict[str, int] = {}
         for request_id in [a.request_id for a in admits] + [o.request_id for o in outcomes]:
             req = self._requests[request_id]
@@ -146,6 +169,7 @@ class DraftExchange:
 
     def _apply_dropped(self) -> None:
         for request_id in self.drafter.take_dropped():
+            self.held.pop(request_id, None)
             lost = self._requests.get(request_id)
             if lost is not None and lost.in_draft:
                 # Its draft state is gone (and so are its prompt features here): no more trees.
@@ -173,6 +197,24 @@ class DraftExchange:
             temperature=req.params.temperature,
             trace_context=req.trace_context,
         )
+
+
+def _merge(first: VerifyOutcome, then: VerifyOutcome) -> VerifyOutcome:
+    """One outcome for two consecutive steps of a request: ``first``'s bonus token is
+    ``then``'s node 0, so the features ([accepted + 1, F] each) simply concatenate."""
+    features = None
+    if first.features is not None and then.features is not None:
+        features = torch.cat([first.features, then.features])
+    return VerifyOutcome(
+        request_id=then.request_id,
+        accepted_token_ids=[
+            *first.accepted_token_ids,
+            first.bonus_token_id,
+            *then.accepted_token_ids,
+        ],
+        bonus_token_id=then.bonus_token_id,
+        features=features,
+    )
 
 
 def _rows(features: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:

@@ -72,6 +72,11 @@ def verify(
 ) -> list[Verified]:
     """Verifies one tree per request (node 0's logits predict the token after node 0).
 
+    Everything runs on the device and the host reads the outcome once: the accepted paths, the
+    bonus tokens and the log-probabilities of every new token. Greedy rows take the target's
+    choice and its log-probability from one fused pass (``top1``: argmax and logsumexp, no
+    softmax materialised); plain decoding (every tree one node) needs nothing else.
+
     With ``simulate`` (benchmarks only, ``tandem.spec.simulate``) the verification still runs
     but the accepted paths are drawn, and each bonus is the target's argmax after its path.
     """
@@ -80,70 +85,127 @@ def verify(
     bs, width = len(trees), max(sizes)
     if coin_block < width:
         raise ValueError(f"coin_block: {coin_block} < tree size {width}")
-    params = [req.params for req, n in zip(reqs, sizes, strict=True) for _ in range(n)]
-    # process_logits never draws: the generators only satisfy build's check for sampled rows.
-    unused = torch.Generator(device=device)
-    batch = SamplingBatch.build(params, [None if p.greedy else unused for p in params], device)
-    history = _node_history(trees, reqs, device) if batch.any_penalty else None
-    processed = process_logits(logits, batch, history)  # [sum(N), V]
-    logprobs = processed.log_softmax(dim=-1)  # [sum(N), V]
-
-    tokens = torch.zeros(bs, width, dtype=torch.int64)
-    parents = torch.full((bs, width), -1, dtype=torch.int64)
-    for b, tree in enumerate(trees):
-        tokens[b, : len(tree)] = torch.tensor(tree.tokens)
-        parents[b, : len(tree)] = torch.tensor(tree.parents)
-    tokens, parents = tokens.to(device), parents.to(device)
-    num_nodes = torch.tensor(sizes, dtype=torch.int64, device=device)
     ops = _ops(device)
-    depth, _, first_child, next_sibling = ops.build_tree(parents, num_nodes)
-    accept_width = int(depth.max().item()) + 1
+    greedy_only = all(req.params.greedy for req in reqs)
+    any_penalty = any(req.params.repetition_penalty != 1.0 for req in reqs)
+    if greedy_only and not any_penalty:
+        processed = logits.float()  # what process_logits returns for these rows
+    else:
+        params = [req.params for req, n in zip(reqs, sizes, strict=True) for _ in range(n)]
+        # process_logits never draws: the generators only satisfy build's check.
+        unused = torch.Generator(device=device)
+        batch = SamplingBatch.build(params, [None if p.greedy else unused for p in params], device)
+        history = _node_history(trees, reqs, device) if batch.any_penalty else None
+        processed = process_logits(logits, batch, history)  # [sum(N), V]
+    top_ids, top_lp, _ = ops.top1(processed)  # [sum(N)] each: the target's choice per node
 
-    rows = torch.zeros(bs, width, dtype=torch.int64, device=device)  # flat logits row per node
-    offsets = torch.tensor([0, *sizes], device=device).cumsum(0)[:-1]
-    rows += offsets[:, None] + torch.arange(width, device=device)
-    rows = torch.minimum(rows, torch.tensor(logits.shape[0] - 1, device=device))
+    starts = [0, *itertools.accumulate(sizes)][:-1]
+    if width == 1 and greedy_only:  # plain decoding: the bonus is the choice at node 0
+        accept_index = torch.zeros(bs, 1, dtype=torch.int64, device=device)
+        accept_len = torch.ones(bs, dtype=torch.int64, device=device)
+        tokens = top_ids[:, None]  # never read: no draft node
+        bonus = top_ids
+    else:
+        accept_index, accept_len, bonus, tokens = _accept(
+            processed, top_ids, trees, reqs, starts, width, coin_block, ops
+        )
+    if simulate is not None:  # perf only: the verdict above is overridden (its cost is kept)
+        paths = simulate.paths(trees)
+        accept_index = torch.tensor(
+            [p + [-1] * (accept_index.shape[1] - len(p)) for p in paths], device=device
+        )
+        accept_len = torch.tensor([len(p) for p in paths], device=device)
+        last = torch.tensor([s + p[-1] for s, p in zip(starts, paths, strict=True)])
+        bonus = top_ids[last.to(device)]
+
+    # The new token after each path node, and its log-probability at that node.
+    accept_width = accept_index.shape[1]
+    node = accept_index.clamp(min=0)  # [bs, A]
+    after = torch.cat([node[:, 1:], node[:, :1]], dim=1)  # [bs, A] the next path node
+    is_last = torch.arange(accept_width, device=device)[None, :] == (accept_len - 1)[:, None]
+    new_ids = torch.where(is_last, bonus[:, None], tokens.gather(1, after))  # [bs, A]
+    rows = torch.tensor(starts, device=device)[:, None] + node  # [bs, A] flat logits rows
+    lse = processed.gather(1, top_ids[:, None])[:, 0] - top_lp  # [sum(N)] logsumexp per row
+    picked = processed[rows, new_ids] - lse[rows]  # [bs, A]
+    lps = torch.where(new_ids == top_ids[rows], top_lp[rows], picked)
+
+    # The one host read of the step.
+    ints = torch.cat([accept_index.flatten(), accept_len, bonus]).tolist()
+    lps_host = lps.tolist()
+    index_host = [ints[b * accept_width : (b + 1) * accept_width] for b in range(bs)]
+    len_host = ints[bs * accept_width : bs * accept_width + bs]
+    bonus_host = ints[bs * accept_width + bs :]
+    out = []
+    for b, tree in enumerate(trees):
+        n = len_host[b]
+        nodes = index_host[b][:n]
+        new = [tree.tokens[i] for i in nodes[1:]] + [bonus_host[b]]
+        out.append(Verified(accept_nodes=nodes, new_tokens=new, logprobs=lps_host[b][:n]))
+    return out
+
+
+def _accept(
+    processed: torch.Tensor,  # [sum(N), V] float32
+    top_ids: torch.Tensor,  # [sum(N)] the greedy choice per node
+    trees: Sequence[Tree],
+    reqs: Sequence[Request],
+    starts: list[int],
+    width: int,
+    coin_block: int,
+    ops: kernels.Ops,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Walks every tree on the device: ``accept_index`` [bs, A], ``accept_len`` [bs],
+    ``bonus`` [bs] and the padded node tokens [bs, width]."""
+    device = processed.device
+    bs = len(trees)
+    flat_tokens: list[int] = []
+    flat_parents: list[int] = []
+    for tree in trees:
+        pad = width - len(tree)
+        flat_tokens += [*tree.tokens, *[0] * pad]
+        flat_parents += [*tree.parents, *[-1] * pad]
+    # The accept width is known on the host: the deepest node, plus node 0.
+    accept_width = max(max(tree.depths) for tree in trees) + 1
+    host = torch.tensor([*flat_tokens, *flat_parents, *(len(t) for t in trees), *starts])
+    host = host.to(device, non_blocking=True)
+    tokens = host[: bs * width].view(bs, width)
+    parents = host[bs * width : 2 * bs * width].view(bs, width)
+    num_nodes = host[2 * bs * width : 2 * bs * width + bs]
+    offsets = host[2 * bs * width + bs :]
+    _, _, first_child, next_sibling = ops.build_tree(parents, num_nodes)
+    # Flat logits row per node; padding nodes repeat the tree's last row (never accepted).
+    rows = offsets[:, None] + torch.minimum(
+        torch.arange(width, device=device)[None, :], (num_nodes - 1)[:, None]
+    )  # [bs, width]
 
     greedy = [b for b, req in enumerate(reqs) if req.params.greedy]
     sampled = [b for b, req in enumerate(reqs) if not req.params.greedy]
+    if not sampled:
+        accept_index, accept_len, bonus = ops.verify_greedy(
+            tokens, top_ids[rows], first_child, next_sibling, num_nodes, accept_width
+        )
+        return accept_index, accept_len, bonus, tokens
     accept_index = torch.full((bs, accept_width), -1, dtype=torch.int64, device=device)
     accept_len = torch.ones(bs, dtype=torch.int64, device=device)
     bonus = torch.zeros(bs, dtype=torch.int64, device=device)
     if greedy:
         idx = torch.tensor(greedy, device=device)
-        target_ids = processed.argmax(dim=-1)[rows[idx]]  # [bs_greedy, W]
         accept_index[idx], accept_len[idx], bonus[idx] = ops.verify_greedy(
-            tokens[idx], target_ids, first_child[idx], next_sibling[idx], num_nodes[idx],
-            accept_width,
+            tokens[idx], top_ids[rows[idx]], first_child[idx], next_sibling[idx],
+            num_nodes[idx], accept_width,
         )  # fmt: skip
-    if sampled:
-        idx = torch.tensor(sampled, device=device)
-        accept_index[idx], accept_len[idx], bonus[idx] = _sampling(
-            processed.softmax(dim=-1)[rows[idx]],
-            tokens[idx],
-            first_child[idx],
-            next_sibling[idx],
-            num_nodes[idx],
-            accept_width,
-            [reqs[b] for b in sampled],
-            coin_block,
-        )
-
-    out = []
-    host_index, host_len, host_bonus = accept_index.tolist(), accept_len.tolist(), bonus.tolist()
-    if simulate is not None:  # perf only: the verdict above is overridden (its cost is kept)
-        host_index = simulate.paths(trees)
-        host_len = [len(nodes) for nodes in host_index]
-        starts = [0, *itertools.accumulate(sizes)]
-        last = torch.tensor([starts[b] + nodes[-1] for b, nodes in enumerate(host_index)])
-        host_bonus = processed[last.to(device)].argmax(dim=-1).tolist()
-    for b, tree in enumerate(trees):
-        nodes = host_index[b][: host_len[b]]
-        new = [tree.tokens[n] for n in nodes[1:]] + [host_bonus[b]]
-        lp_rows = [int(rows[b, n]) for n in nodes]
-        lps = logprobs[lp_rows, torch.tensor(new, device=device)].tolist()
-        out.append(Verified(accept_nodes=nodes, new_tokens=new, logprobs=lps))
-    return out
+    idx = torch.tensor(sampled, device=device)
+    accept_index[idx], accept_len[idx], bonus[idx] = _sampling(
+        processed.softmax(dim=-1)[rows[idx]],
+        tokens[idx],
+        first_child[idx],
+        next_sibling[idx],
+        num_nodes[idx],
+        accept_width,
+        [reqs[b] for b in sampled],
+        coin_block,
+    )
+    return accept_index, accept_len, bonus, tokens
 
 
 def _sampling(

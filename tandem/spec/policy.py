@@ -1,0 +1,113 @@
+"""Adaptive speculation (DESIGN.md section 5): per batch size, speculate only while it pays.
+
+Whether speculation pays depends on the batch size (verify cost grows with batch x tree width
+once the forward stops being memory-bound), on the acceptance of the traffic, and on where the
+draft runs. None of that is known in advance, so the policy measures it: for each batch-size
+bucket it keeps the committed tokens per second of the last window of steps in each mode, with
+speculation (the deployment's K, S, N) and without (K=0: plain decoding, the target-only
+path), and runs the better one. Every ``explore_steps`` steps of a bucket it measures the
+other mode again for one window, since acceptance drifts with the traffic. A bucket starts by
+measuring both.
+
+The first ``settle_steps`` steps after a switch are not measured: the first speculative step
+after K=0 has no trees yet (the draft catches up on the tokens committed meanwhile) and the
+first K=0 step may still verify nothing.
+
+The policy only chooses; ``Engine.step`` carries it out (``DraftExchange`` holds the K=0
+outcomes back and hands them to the draft in one extend when speculation resumes). Known
+limit: S, K and N are the deployment's; a lane's choice is between them and K=0.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+# Batch sizes are grouped like the graph buckets: the throughput of 9 and 15 requests is alike.
+_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class Mode(enum.Enum):
+    SPECULATE = "speculate"
+    PLAIN = "plain"  # K=0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+    window_steps: int = 12  # measured steps per window
+    settle_steps: int = 2  # steps after a switch that are not measured
+    explore_steps: int = 400  # steps in the better mode before measuring the other again
+    # Speculation must beat plain decoding by this factor to be chosen (hysteresis).
+    margin: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.window_steps < 1 or self.settle_steps < 0 or self.explore_steps < 1:
+            raise ValueError("window_steps, explore_steps: >= 1; settle_steps: >= 0")
+        if self.margin <= 0:
+            raise ValueError("margin: must be > 0")
+
+
+@dataclass
+class _Bucket:
+    """One batch-size bucket's measurements and what it runs now."""
+
+    mode: Mode = Mode.SPECULATE
+    measuring: bool = True  # this window's rate is recorded for ``mode``
+    rates: dict[Mode, float] = field(default_factory=dict)  # committed tokens per second
+    steps: int = 0  # steps in the current phase (settle + window, or exploit)
+    tokens: int = 0  # measured so far in this window
+    ns: int = 0
+
+
+class SpecPolicy:
+    """Chooses, step by step, whether a batch of ``batch_size`` requests speculates."""
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+        self._buckets: dict[int, _Bucket] = {}
+        self.switches = 0  # mode changes so far (tests, logs)
+
+    def speculate(self, batch_size: int) -> bool:
+        """The mode of the next step of a batch this size."""
+        return self._bucket(batch_size).mode is Mode.SPECULATE
+
+    def record(self, batch_size: int, committed_tokens: int, step_ns: int) -> None:
+        """One step of ``batch_size`` requests in the mode ``speculate`` returned for it."""
+        c, b = self.config, self._bucket(batch_size)
+        b.steps += 1
+        if not b.measuring:
+            if b.steps >= c.explore_steps:  # measure the other mode again
+                self._switch(b, _other(b.mode), measuring=True)
+            return
+        if b.steps <= c.settle_steps:
+            return
+        b.tokens += committed_tokens
+        b.ns += step_ns
+        if b.steps < c.settle_steps + c.window_steps:
+            return
+        b.rates[b.mode] = b.tokens / max(b.ns, 1) * 1e9
+        other = _other(b.mode)
+        if other not in b.rates:  # a new bucket: measure the other mode too
+            self._switch(b, other, measuring=True)
+            return
+        spec, plain = b.rates[Mode.SPECULATE], b.rates[Mode.PLAIN]
+        best = Mode.SPECULATE if spec > plain * c.margin else Mode.PLAIN
+        self._switch(b, best, measuring=False)
+
+    def rates(self, batch_size: int) -> dict[str, float]:
+        """The bucket's last measured tokens/s per mode ("speculate", "plain")."""
+        return {mode.value: rate for mode, rate in self._bucket(batch_size).rates.items()}
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        key = next((b for b in _BUCKETS if b >= batch_size), _BUCKETS[-1])
+        return self._buckets.setdefault(key, _Bucket())
+
+    def _switch(self, b: _Bucket, mode: Mode, *, measuring: bool) -> None:
+        if mode is not b.mode:
+            self.switches += 1
+        b.mode, b.measuring = mode, measuring
+        b.steps = b.tokens = b.ns = 0
+
+
+def _other(mode: Mode) -> Mode:
+    return Mode.PLAIN if mode is Mode.SPECULATE else Mode.SPECULATE
