@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import torch
 
+from tandem import profiling
 from tandem.config import DTYPES
 from tandem.models.config import ModelConfig
 from tandem.spec.base import Drafter
@@ -81,6 +82,7 @@ class DraftEngine:
         self._dropped: dict[int, list[str]] = {}  # stream -> dropped ids not yet reported
         self._closed = False
         self._last_kv = (0, 0)  # (pages used, total) after the last step, for gauges
+        self._profile = profiling.step_window("draft", config.device)  # None: off
 
     def last_kv_usage(self) -> tuple[int, int]:
         """The pool after the last step; readable from any thread without waiting."""
@@ -204,6 +206,8 @@ class DraftEngine:
         tracked.difference_update(dropped)
         kv = self._kv_usage()
         self._last_kv = (kv.pages_used, kv.pages_total)
+        if self._profile is not None:
+            self._profile.step()
         return StepResult(
             trees={k[len(prefix) :]: t for k, t in trees.items() if k.startswith(prefix)},
             dropped=dropped,

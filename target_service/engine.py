@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from tandem import wire
+from tandem import profiling, wire
 from tandem.engine import Engine
 from tandem.errors import InvalidRequest, NotFound, TandemError
 from tandem.request import FinishReason, RequestOutput
@@ -91,6 +91,7 @@ class TargetLoop:
         self.observe = TargetObserver(
             engine, fallbacks=lambda: getattr(engine.drafter, "fallback_steps", 0)
         )
+        self._profile = profiling.step_window("target", engine.config.device)  # None: off
 
     # -- called from the event loop ----------------------------------------------------
 
@@ -234,6 +235,8 @@ class TargetLoop:
         stats.wire_ns = max(0, timing.draft_wait_ns - timing.draft_model_ns)
         stats.host_ns = max(0, stats.step_ns - timing.forward_ns - timing.draft_wait_ns)
         self._send([self._commit(o) for o in outputs], stats, lane=self.engine.last_lane)
+        if self._profile is not None:
+            self._profile.step()
 
     def _commit(self, output: RequestOutput) -> target_pb2.Commit:
         commit = target_pb2.Commit(

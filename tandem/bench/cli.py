@@ -66,6 +66,10 @@ def bench(
         ),
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
+    draft_device: Annotated[
+        str | None,
+        typer.Option(help="The draft service's device, e.g. cuda:1 (default: --device)."),
+    ] = None,
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16, float16 (default: the preset's).")
     ] = None,
@@ -74,6 +78,13 @@ def bench(
         int, typer.Option(help="Gateway: two lanes from this many running requests (0: never).")
     ] = 16,
     log_dir: Annotated[Path | None, typer.Option(help="Keep the services' logs here.")] = None,
+    profile_idle: Annotated[
+        bool,
+        typer.Option(
+            help="Profile one more round per services row (target + draft) and report each "
+            "GPU's idle fraction; the profiles stay under --log-dir/profiles."
+        ),
+    ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object (the table goes to stderr).")
     ] = False,
@@ -121,6 +132,8 @@ def bench(
             page_size=page_size,
             two_lane_batch=two_lane_batch,
             log_dir=log_dir,
+            draft_device=draft_device,
+            profile_idle=profile_idle,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

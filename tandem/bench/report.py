@@ -34,6 +34,8 @@ class Row:
     t_verify_min_ms: float | None = None  # speed-of-light verify (sol.py)
     verify_efficiency: float | None = None  # t_verify_min / verify
     sol_fraction: float | None = None  # (1 / tpot_p50) / (accept_length / t_verify_min)
+    idle_per_device: list[float] = field(default_factory=list)  # GPU idle fraction, by device
+    gpu_idle: dict[str, Any] | None = None  # the profiled round's tandem.bench.idle report
     note: str = ""
 
     def finish(self, t_verify_min_s: float | None) -> Row:
@@ -78,6 +80,7 @@ _COLUMNS: list[tuple[str, str, int]] = [  # (field, header, width)
     ("sol_fraction", "SOL", 5),
     ("note", "note", 0),
 ]
+_IDLE_COLUMN = ("idle_per_device", "GPU idle", 9)  # only in a run with --profile-idle
 
 
 def _cell(value: Any, width: int) -> str:
@@ -98,11 +101,19 @@ def table(rows: list[Row], header: dict[str, Any]) -> str:
     lines = [f"{title:=^72}"]
     lines += [f"{k + ':':<40} {v!s:<10}".rstrip() for k, v in header.items()]
     lines.append("-" * 72)
-    lines.append(" ".join(_cell(h, w) if w else h for _, h, w in _COLUMNS))
+    columns = _COLUMNS
+    profiled = any(r.idle_per_device for r in rows)
+    if profiled:
+        columns = [*_COLUMNS[:-1], _IDLE_COLUMN, _COLUMNS[-1]]
+    lines.append(" ".join(_cell(h, w) if w else h for _, h, w in columns))
     for row in rows:
         values = asdict(row)
-        lines.append(" ".join(_cell(values[f], w) for f, _, w in _COLUMNS).rstrip())
+        lines.append(" ".join(_cell(values[f], w) for f, _, w in columns).rstrip())
     lines.append("times in ms; acc/pos = accepted / drafted per draft position; see docs")
+    if profiled:
+        lines.append(
+            "GPU idle = idle fraction of each GPU over a profiled round (tandem.bench.idle)"
+        )
     lines.append("=" * 72)
     return "\n".join(lines)
 

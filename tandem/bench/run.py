@@ -43,6 +43,8 @@ class BenchConfig:
     page_size: int = 16
     two_lane_batch: int = 16
     log_dir: Path | None = None  # the services' logs (default: a temporary directory)
+    draft_device: str | None = None  # the draft service's device (default: ``device``)
+    profile_idle: bool = False  # GPU idle of one profiled round per services row
 
     def __post_init__(self) -> None:
         unknown = set(self.modes) - set(ALL_MODES)
@@ -93,6 +95,8 @@ def run_bench(
         "Copy bandwidth (GB/s)": round(bandwidth / 1e9, 1),
         "Weights read per step (GB)": round(weight_bytes(model_config, torch_dtype) / 1e9, 3),
         "KV per token (KiB)": round(kv_bytes_per_token(model_config, torch_dtype) / 1024, 1),
+        "Draft device (services)": config.draft_device or config.device,
+        "GPU idle profile": _profiled(config),
     }
     rows: list[Row] = []
     speculative = config.draft is not None
@@ -120,6 +124,18 @@ def _simulated(value: float | None) -> str:
     if value is None:
         return "off (acceptance measured)"
     return f"{value} (perf only: drafts forced, output not the target's)"
+
+
+def _profiled(config: BenchConfig) -> str:
+    if not config.profile_idle:
+        return "off"
+    start, num, new_tokens = services.probe_window(
+        config.workload, max(config.batch_sizes), config.spec_steps
+    )
+    return (
+        f"steps {start + 1}-{start + num} of one more round per services row "
+        f"({new_tokens} new tokens)"
+    )
 
 
 def _device_name(device: str) -> str:
@@ -172,6 +188,11 @@ def _services(config: BenchConfig, mc: ModelConfig, say: Callable[[str], None]) 
     with tempfile.TemporaryDirectory() as tmp:
         log_dir = config.log_dir or Path(tmp)
         say(f"starting draft, target and gateway services (logs: {log_dir})")
+        probe = None
+        if config.profile_idle:  # one directory per batch size and row under log_dir/profiles
+            probe = services.plan_probe(
+                log_dir / "profiles", config.workload, max(config.batch_sizes), config.spec_steps
+            )
         stack = services.start_stack(
             config.target,
             config.draft,
@@ -184,17 +205,21 @@ def _services(config: BenchConfig, mc: ModelConfig, say: Callable[[str], None]) 
             two_lane_batch=config.two_lane_batch,
             simulate_accept_length=config.simulate_accept_length,
             log_dir=log_dir,
+            draft_device=config.draft_device,
+            probe=probe,
         )
         rows = []
         try:
             gateway, target = services.port_of(stack, "gateway"), services.port_of(stack, "target")
             for bs in config.batch_sizes:
                 say(f"services bs={bs}")
-                rows.append(services.through_gateway(gateway, mc.vocab_size, bs, config.workload))
+                rows.append(
+                    services.through_gateway(gateway, mc.vocab_size, bs, config.workload, probe)
+                )
                 say(_done(rows[-1]))
                 rows.append(
                     services.through_control(
-                        target, mc.vocab_size, bs, config.workload, config.spec_steps
+                        target, mc.vocab_size, bs, config.workload, config.spec_steps, probe
                     )
                 )
                 say(_done(rows[-1]))

@@ -12,20 +12,31 @@ Two measurements per batch size, each its own row:
 The target runs under ``tandem.bench.synced_target`` (the target service with the forward
 synchronised, as in process) and, with ``simulate_accept_length``, with
 ``TANDEM_SIMULATE_ACCEPT_LENGTH`` in its environment.
+
+With an :class:`IdleProbe` (``tandem bench --profile-idle``) the target's and the draft's
+step-window profilers (``tandem.profiling``) wait on an arm file; after a row's measured
+rounds one more round runs with them armed, into a fresh directory per batch size and row,
+and its GPU idle (``tandem.bench.idle``) joins the row. The measured rounds are never
+profiled, so the other columns do not carry the profiler's cost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest import mock
 
 import grpc
 
+from tandem import profiling
+from tandem.bench import idle
 from tandem.bench.inprocess import Workload, fill_latency, prompts
 from tandem.bench.report import Row, median_ms
+from tandem.config import EngineConfig
 from tandem.demo import free_port
 from tandem.launch import Stack, build_stack
 from tandem.spec import simulate
@@ -45,6 +56,8 @@ def start_stack(
     two_lane_batch: int,
     simulate_accept_length: float | None,
     log_dir: Path,
+    draft_device: str | None = None,
+    probe: IdleProbe | None = None,
 ) -> Stack:
     stack = build_stack(
         target=target,
@@ -65,7 +78,9 @@ def start_stack(
     for svc in stack.services:
         if svc.name == "target":
             svc.module = "tandem.bench.synced_target"
-    env = {}
+        if svc.name == "draft" and draft_device is not None:
+            svc.args[svc.args.index("--device") + 1] = draft_device
+    env = {} if probe is None else probe.env()
     if simulate_accept_length is not None:
         env[simulate.ENV_VAR] = str(simulate_accept_length)
     with mock.patch.dict(os.environ, env):  # the services inherit it; this process does not
@@ -77,7 +92,83 @@ def port_of(stack: Stack, name: str) -> int:
     return next(s.port for s in stack.services if s.name == name)
 
 
-def through_gateway(port: int, vocab: int, batch_size: int, w: Workload) -> Row:
+@dataclass(frozen=True, kw_only=True)
+class IdleProbe:
+    """Where and over which steps the services profile one round per row.
+
+    Steps count from the arm, and the window must close inside the profiled round: a round of
+    ``new_tokens`` takes at least ``ceil((new_tokens - 1) / (S + 1))`` decode steps whatever
+    the acceptance, so ``start_step`` skips the largest batch's prefill and two steps more,
+    ``num_steps`` ends ``_MARGIN`` steps before that bound, and the profiled round is made
+    long enough for ten steps where the workload's is shorter."""
+
+    root: Path
+    start_step: int
+    num_steps: int
+    new_tokens: int  # of the profiled round
+    num_files: int = 2  # the target's and the draft's
+    timeout_s: float = 60.0  # for the files after the round
+
+    @property
+    def arm_file(self) -> Path:
+        return self.root / "arm"
+
+    def env(self) -> dict[str, str]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return {
+            profiling.ENV_DIR: str(self.root),
+            profiling.ENV_ARM_FILE: str(self.arm_file),
+            profiling.ENV_START_STEP: str(self.start_step),
+            profiling.ENV_NUM_STEPS: str(self.num_steps),
+        }
+
+    def arm(self, label: str) -> Path:
+        out_dir = self.root / label
+        profiling.arm(self.arm_file, out_dir)
+        return out_dir
+
+    def collect(self, out_dir: Path, row: Row) -> None:
+        """Waits for every service's file in ``out_dir``; the idle fractions join ``row``."""
+        deadline = time.monotonic() + self.timeout_s
+        while len(idle.profile_files([out_dir])) < self.num_files:
+            if time.monotonic() > deadline:
+                found = len(idle.profile_files([out_dir]))
+                row.note = f"idle: {found}/{self.num_files} profiles after {self.timeout_s:.0f} s"
+                return
+            time.sleep(0.1)
+        try:
+            report = idle.from_dirs([out_dir])
+        except ValueError as exc:
+            row.note = f"idle: {exc}"
+            return
+        row.idle_per_device = [d.idle_fraction for d in report.devices]
+        row.gpu_idle = report.to_json()
+
+
+_MARGIN = 3  # steps between a window's end and the least a round can take
+
+
+def probe_window(w: Workload, max_batch: int, spec_steps: int) -> tuple[int, int, int]:
+    """(start_step, num_steps, new tokens of the profiled round): see :class:`IdleProbe`."""
+    prefill = math.ceil(max_batch * w.prompt_len / EngineConfig.max_num_batched_tokens)
+    start = prefill + 2
+
+    def decode_steps(new_tokens: int) -> int:
+        return math.ceil((new_tokens - 1) / (spec_steps + 1))
+
+    num = max(10, decode_steps(w.new_tokens) - start - _MARGIN)
+    new_tokens = max(w.new_tokens, (spec_steps + 1) * (start + num + _MARGIN) + 1)
+    return start, num, new_tokens
+
+
+def plan_probe(root: Path, w: Workload, max_batch: int, spec_steps: int) -> IdleProbe:
+    start, num, new_tokens = probe_window(w, max_batch, spec_steps)
+    return IdleProbe(root=root, start_step=start, num_steps=num, new_tokens=new_tokens)
+
+
+def through_gateway(
+    port: int, vocab: int, batch_size: int, w: Workload, probe: IdleProbe | None = None
+) -> Row:
     async def main() -> Row:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
@@ -87,7 +178,13 @@ def through_gateway(port: int, vocab: int, batch_size: int, w: Workload) -> Row:
                 await _gateway_round(stub, prompts(vocab, batch_size, w.prompt_len, r), w, True)
                 for r in range(w.rounds)
             ]
+            if probe is not None:
+                out_dir = probe.arm(f"bs{batch_size}-services")
+                batch = prompts(vocab, batch_size, w.prompt_len, 98)
+                await _gateway_round(stub, batch, replace(w, new_tokens=probe.new_tokens), True)
         row = Row(mode="services", batch_size=batch_size, num_requests=batch_size * w.rounds)
+        if probe is not None:
+            probe.collect(out_dir, row)
         tpots, ttfts, accepted, verify_steps = [], [], 0, 0
         for duration, records in rounds:
             row.duration_s += duration
@@ -146,7 +243,14 @@ async def _gateway_round(
     return time.perf_counter() - start, list(records)
 
 
-def through_control(port: int, vocab: int, batch_size: int, w: Workload, positions: int) -> Row:
+def through_control(
+    port: int,
+    vocab: int,
+    batch_size: int,
+    w: Workload,
+    positions: int,
+    probe: IdleProbe | None = None,
+) -> Row:
     """The requests admitted on the target's Control stream; per-step StepStats."""
 
     async def main() -> Row:
@@ -165,7 +269,14 @@ def through_control(port: int, vocab: int, batch_size: int, w: Workload, positio
                 await _control_round(call, outbox, batch_size, vocab, w, 99, None)
             for r in range(w.rounds):
                 await _control_round(call, outbox, batch_size, vocab, w, r, (row, log))
+            if probe is not None:
+                out_dir = probe.arm(f"bs{batch_size}-services-control")
+                # An unmeasured round (as the warm-up is) of the probe's length.
+                profiled = replace(w, warmup_tokens=probe.new_tokens)
+                await _control_round(call, outbox, batch_size, vocab, profiled, 98, None)
             call.cancel()
+        if probe is not None:
+            probe.collect(out_dir, row)
         row.tokens_per_s = row.output_tokens / row.duration_s
         _finish_control(row, log, positions)
         return row

@@ -1,5 +1,6 @@
 """``tandem bench`` at tiny sizes on CPU: every mode runs, the JSON parses, the plots are PNGs,
-simulated acceptance reaches the engine in process and through the services; the preset
+simulated acceptance reaches the engine in process and through the services, ``--profile-idle``
+gives the services rows an idle fraction (of CPU ops on CPU) from both services; the preset
 writer's checkpoints load in Tandem and transformers; the speed-of-light byte count matches
 the real model."""
 
@@ -31,7 +32,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
         "--models-dir", str(tmp_path / "models"), "--batch-sizes", "1,2",
         "--prompt-len", "12", "--new-tokens", "12", "--warmup-tokens", "3",
         "--spec-steps", str(S), "--simulate-accept-length", "3.0",
-        "--json", "--plot", str(plots),
+        "--json", "--plot", str(plots), "--profile-idle", "--log-dir", str(tmp_path / "logs"),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -57,6 +58,17 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert row["wire_host_ms"] > 0
     assert rows[("target-only", 1)]["draft_ms"] is None
     assert "perf only" in result["settings"]["Simulated accept length"]
+    for mode in ("services", "services-control"):
+        for bs in (1, 2):
+            row = rows[(mode, bs)]
+            (fraction,) = row["idle_per_device"]  # one device: the CPU
+            assert 0.0 <= fraction < 1.0 and row["gpu_idle"]["timeline"] == "cpu_ops", row
+            assert {p.split("-")[0] for p in row["gpu_idle"]["processes"]} == {"target", "draft"}
+            assert (
+                len(list((tmp_path / "logs" / "profiles" / f"bs{bs}-{mode}").glob("*.json"))) == 2
+            )
+    assert rows[("spec", 1)]["idle_per_device"] == []
+    assert "steps" in result["settings"]["GPU idle profile"]
     for name in ("throughput.png", "acceptance.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -1,0 +1,280 @@
+"""A step-window profiler for service loops: ``torch.profiler`` over N steps, written out as
+device-busy intervals on the host's wall clock, so that the windows of several processes
+sharing a GPU can be merged (``tandem.bench.idle``; docs/performance.md, "GPU idle").
+
+Configured by the environment; a loop builds one with :func:`step_window` (None when off) and
+calls :meth:`StepWindow.step` once at the end of each of its steps:
+
+| variable | meaning | default |
+|---|---|---|
+| ``TANDEM_PROFILE_DIR`` | where windows are written; unset: profiling off | - |
+| ``TANDEM_PROFILE_START_STEP`` | steps to skip before the window (warm-up) | 50 |
+| ``TANDEM_PROFILE_NUM_STEPS`` | steps in the window | 50 |
+| ``TANDEM_PROFILE_ARM_FILE`` | count steps only once this file appears (see :func:`arm`) | - |
+
+Without an arm file a process profiles one window, counted from its first step. With one, it
+waits for the file to be written (one there when the process starts is a leftover, ignored),
+profiles a window counted from there into the directory the file names, and waits for the
+file to be written again (a new inode) for the next window: a benchmark places windows inside
+the rounds it chooses without restarting the services.
+
+Clock. ``torch.profiler``'s ``kineto_results.events()`` report ``start_ns()``/``end_ns()`` in
+nanoseconds since the Unix epoch on ``CLOCK_REALTIME``, i.e. ``time.time_ns()``, for host and
+device events alike: CPU ops are stamped with the TSC and converted by kineto's
+``ApproximateClockToUnixTimeConverter`` (calibrated against ``clock_gettime(CLOCK_REALTIME)``);
+CUPTI records are stamped either by CUPTI's default Linux clock (``CLOCK_REALTIME``) or, with
+kineto's TSC timestamp callback (CUDA >= 11.6, the default), by the TSC and converted by the
+same converter (``convertCuptiTimestamp`` in libkineto). ``FunctionEvent.time_range`` (what
+``prof.events()`` gives) is the same value minus ``kineto_results.trace_start_ns()``, so it is
+relative to each process's own trace start: this module reads ``kineto_results`` instead and
+writes the absolute values. ``CLOCK_REALTIME`` is one clock for every process on the host, so
+intervals from two processes line up; the file also carries ``realtime_minus_monotonic_ns`` to
+move them onto ``CLOCK_MONOTONIC``. Checked on CPU (torch 2.13): every ``aten::mm`` event of a
+profiled loop lies inside the ``time.time_ns()`` bracket taken around its call
+(``tests/unit/test_idle.py``). A wall-clock step (NTP) inside a window would shift it; windows
+are a second or so, so this is not corrected.
+
+Costs: off, one ``is not None`` in the loop. On, kineto's one-time set-up (seconds) runs when
+the loop builds its window, the profiler starts ``WARMUP_STEPS`` before the window (CUPTI's
+start-up and first records are slow) and the window's file is written on the loop's
+thread right after it (a few hundred ms for tens of thousands of kernels): the step after a
+window is slow, the window itself is not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+logger = logging.getLogger(__name__)
+
+ENV_DIR = "TANDEM_PROFILE_DIR"
+ENV_START_STEP = "TANDEM_PROFILE_START_STEP"
+ENV_NUM_STEPS = "TANDEM_PROFILE_NUM_STEPS"
+ENV_ARM_FILE = "TANDEM_PROFILE_ARM_FILE"
+
+WARMUP_STEPS = 2  # the profiler runs this many steps before the window opens
+FORMAT_VERSION = 1
+GPU_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")  # kineto activity types that occupy a GPU
+CPU_KIND = "cpu_op"
+INTERVAL_FIELDS = ("name", "start_ns", "end_ns", "device_index", "stream", "kind")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    out_dir: Path  # where windows are written (an armed window may name another)
+    start_step: int = 50  # steps skipped before the window (after arming, with an arm file)
+    num_steps: int = 50
+    arm_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.start_step < 1:
+            raise ValueError(f"start_step: must be >= 1, got {self.start_step}")
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps: must be >= 1, got {self.num_steps}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> ProfileConfig | None:
+        """The configuration in ``env``; None when ``TANDEM_PROFILE_DIR`` is unset or empty."""
+        out_dir = env.get(ENV_DIR)
+        if not out_dir:
+            return None
+        arm_file = env.get(ENV_ARM_FILE)
+        return cls(
+            out_dir=Path(out_dir),
+            start_step=_int(env, ENV_START_STEP, 50),
+            num_steps=_int(env, ENV_NUM_STEPS, 50),
+            arm_file=Path(arm_file) if arm_file else None,
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name)
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {text!r}") from None
+
+
+def step_window(service: str, device: str) -> StepWindow | None:
+    """The loop's profiler as the environment configures it; None when profiling is off."""
+    config = ProfileConfig.from_env()
+    return None if config is None else StepWindow(service, device, config)
+
+
+def arm(arm_file: Path, out_dir: Path) -> None:
+    """Asks every process watching ``arm_file`` for a window written into ``out_dir``.
+
+    Written to a temporary name and renamed, so a reader sees all of it or nothing, and every
+    arm is a new inode (which is what a waiting process looks for)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = arm_file.with_name(f".{arm_file.name}.{os.getpid()}.tmp")
+    tmp.write_text(str(out_dir.resolve()))
+    os.replace(tmp, arm_file)
+
+
+def _signature(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+class StepWindow:
+    """Counts a loop's steps and profiles ``num_steps`` of them after ``start_step``."""
+
+    def __init__(self, service: str, device: str, config: ProfileConfig) -> None:
+        self.service = service
+        self.device = device
+        self.config = config
+        self.cuda = device.startswith("cuda") and torch.cuda.is_available()
+        self.windows_written: list[Path] = []
+        self._done = False  # without an arm file: one window per process
+        self._armed = config.arm_file is None
+        self._served: tuple[int, int] | None = None  # (inode, mtime) of the last arm used
+        if config.arm_file is not None:  # one there before the process is a leftover
+            self._served = _signature(config.arm_file)
+        self._out_dir = config.out_dir
+        self._ticks = 0  # steps ended since arming
+        self._profiler: profile | None = None
+        self._window_start_ns = 0
+        # Kineto's first start takes seconds (its one-time set-up): pay it here, not in a round.
+        # CPU only: CUPTI's own start-up is left to the warm-up steps, on the loop's thread.
+        with profile(activities=[ProfilerActivity.CPU]):
+            pass
+
+    def step(self) -> None:
+        """Called once at the end of each loop step."""
+        if self._done:
+            return
+        if not self._armed:
+            self._armed = self._poll_arm()
+            return
+        self._ticks += 1
+        start = self.config.start_step
+        if self._profiler is None and self._ticks >= max(1, start - WARMUP_STEPS):
+            activities = [ProfilerActivity.CPU]
+            if self.cuda:
+                activities.append(ProfilerActivity.CUDA)
+            self._profiler = profile(activities=activities)
+            self._profiler.start()
+        if self._ticks == start:
+            self._window_start_ns = time.time_ns()  # after the profiler's own start-up
+        if self._ticks == start + self.config.num_steps:
+            self._finish()
+
+    def _poll_arm(self) -> bool:
+        assert self.config.arm_file is not None
+        signature = _signature(self.config.arm_file)
+        if signature is None or signature == self._served:
+            return False
+        try:
+            text = self.config.arm_file.read_text().strip()
+        except FileNotFoundError:
+            return False
+        self._served = signature
+        self._out_dir = Path(text) if text else self.config.out_dir
+        self._ticks = 0
+        return True
+
+    def _finish(self) -> None:
+        end_ns = time.time_ns()
+        assert self._profiler is not None
+        self._profiler.stop()
+        results = self._profiler.profiler.kineto_results if self._profiler.profiler else None
+        events = results.events() if results is not None else []
+        self._profiler = None
+        path = self._write(self._window_start_ns, end_ns, events)
+        self.windows_written.append(path)
+        logger.info("%s: profiled steps %d-%d into %s", self.service, *self._steps(), path)
+        if self.config.arm_file is None:
+            self._done = True
+        else:
+            self._armed = False
+
+    def _steps(self) -> tuple[int, int]:
+        return self.config.start_step + 1, self.config.start_step + self.config.num_steps
+
+    def _write(self, start_ns: int, end_ns: int, events: list[Any]) -> Path:
+        names: dict[str, int] = {}
+        rows: list[list[Any]] = []
+        devices: dict[str, dict[str, str]] = {}
+        kinds: dict[str, int] = {}  # every event seen, by "<device type>/<activity type>"
+        for e in events:
+            kind = e.activity_type()
+            seen = f"{e.device_type().name}/{kind}"
+            kinds[seen] = kinds.get(seen, 0) + 1
+            if self.cuda:
+                if kind not in GPU_KINDS or e.device_type() != torch.autograd.DeviceType.CUDA:
+                    continue
+                index, stream = e.device_index(), e.device_resource_id()
+            else:
+                if kind != CPU_KIND:
+                    continue
+                index, stream = 0, e.start_thread_id()
+            if e.end_ns() <= start_ns or e.start_ns() >= end_ns:
+                continue  # the warm-up steps, or work that started after the window
+            name_id = names.setdefault(e.name(), len(names))
+            rows.append([name_id, e.start_ns(), e.end_ns(), index, stream, kind])
+            if str(index) not in devices:
+                devices[str(index)] = self._device_info(index)
+        if not self.cuda:
+            devices.setdefault("0", self._device_info(0))
+        rows.sort(key=lambda r: r[1])
+        if not rows:
+            logger.warning(
+                "%s: no %s in the window; events seen: %s",
+                self.service,
+                "GPU activity" if self.cuda else "CPU ops",
+                kinds,
+            )
+        start_step, end_step = self._steps()
+        record = {
+            "version": FORMAT_VERSION,
+            "service": self.service,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "device": self.device,
+            "timeline": "gpu_kernels" if self.cuda else "cpu_ops",
+            "clock": "CLOCK_REALTIME ns (time.time_ns)",
+            "realtime_minus_monotonic_ns": time.time_ns() - time.monotonic_ns(),
+            "window": {
+                "start_ns": start_ns,
+                "end_ns": end_ns,
+                "first_step": start_step,
+                "last_step": end_step,
+            },
+            "devices": devices,
+            "event_kinds": kinds,
+            "names": list(names),
+            "interval_fields": list(INTERVAL_FIELDS),
+            "intervals": rows,
+        }
+        self._out_dir.mkdir(parents=True, exist_ok=True)
+        path = self._out_dir / f"{self.service}-{os.getpid()}.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(record, separators=(",", ":")))
+        os.replace(tmp, path)  # a reader polling for the file never sees half of it
+        return path
+
+    def _device_info(self, index: int) -> dict[str, str]:
+        """A key that names the physical device for every process on the host."""
+        if not self.cuda:
+            return {"key": f"cpu@{socket.gethostname()}", "name": "cpu", "label": "cpu"}
+        props = torch.cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        key = f"GPU-{uuid}" if uuid is not None else f"cuda:{index}@{socket.gethostname()}"
+        return {"key": key, "name": props.name, "label": f"cuda:{index}"}
