@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-SPEC_POLICIES = ("fixed", "adaptive")
+SPEC_POLICIES = ("fixed", "adaptive", "k0")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,7 +33,8 @@ class EngineConfig:
     # output is then not the target's. Set by `tandem bench` and TANDEM_SIMULATE_ACCEPT_LENGTH.
     simulate_accept_length: float | None = None
     # "fixed": speculate every step (with a drafter); "adaptive": per batch size, speculate
-    # only while it commits more tokens per second than K=0 decoding (tandem/spec/policy.py).
+    # only while it commits more tokens per second than K=0 decoding (tandem/spec/policy.py);
+    # "k0": never (the draft stays attached and in step; measures the K=0 path).
     spec_policy: str = "fixed"
 
     def __post_init__(self) -> None:

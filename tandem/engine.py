@@ -34,7 +34,7 @@ from tandem.sampling import SamplingParams, make_generator
 from tandem.scheduler import ScheduledBatch, Scheduler
 from tandem.spec.base import Drafter
 from tandem.spec.exchange import DraftExchange
-from tandem.spec.policy import SpecPolicy
+from tandem.spec.policy import NeverSpeculate, SpecPolicy
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import SpecConfig, SpecStats
 from tandem.spec.verify import Verified, compact, verify
@@ -149,6 +149,8 @@ class Engine:
         self.policy: SpecPolicy | None = None
         if self.exchange is not None and config.spec_policy == "adaptive":
             self.policy = SpecPolicy()
+        elif self.exchange is not None and config.spec_policy == "k0":
+            self.policy = NeverSpeculate()
         self.last_speculated = False  # whether the last step's lane ran with K > 0
         self.last_lane = MAX_LANES - 1  # the lane the last step ran (lane 0 goes first)
         self.last_stats = SpecStats()  # the last step's verifications, all requests together

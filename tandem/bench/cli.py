@@ -74,6 +74,13 @@ def bench(
         str | None, typer.Option(help="float32, bfloat16, float16 (default: the preset's).")
     ] = None,
     page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 16,
+    spec_policy: Annotated[
+        str,
+        typer.Option(
+            help="fixed, adaptive (per batch size, speculate only while it beats K=0) or k0; "
+            "for the spec and services rows."
+        ),
+    ] = "fixed",
     two_lane_batch: Annotated[
         int, typer.Option(help="Gateway: two lanes from this many running requests (0: never).")
     ] = 16,
@@ -131,6 +138,7 @@ def bench(
             dtype=dtype or "float32",
             page_size=page_size,
             two_lane_batch=two_lane_batch,
+            spec_policy=spec_policy,
             log_dir=log_dir,
             draft_device=draft_device,
             profile_idle=profile_idle,

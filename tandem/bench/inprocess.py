@@ -79,6 +79,7 @@ def build_engine(
     simulate_accept_length: float | None,
     model: DecoderLM | None = None,
     draft_kind: str = "eagle3",
+    spec_policy: str = "fixed",
 ) -> Engine:
     """An engine over ``model`` (loaded from ``target`` when None), speculating with
     ``spec``; its forward synchronised on CUDA."""
@@ -90,6 +91,7 @@ def build_engine(
         num_pages=num_pages,
         max_num_seqs=max_batch,
         simulate_accept_length=simulate_accept_length if spec is not None else None,
+        spec_policy=spec_policy if spec is not None else "fixed",
     )
     drafter = None
     if spec is not None:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODES = ("target-only", "spec", "services", "services-control", "hf-generate", "hf-assisted")
+MODES = ("target-only", "spec", "k0", "services", "services-control", "hf-generate", "hf-assisted")
 
 
 @dataclass(kw_only=True)

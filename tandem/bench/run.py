@@ -18,14 +18,14 @@ from tandem.bench import hf, inprocess, services
 from tandem.bench.inprocess import Workload
 from tandem.bench.report import Row
 from tandem.bench.sol import copy_bandwidth, kv_bytes_per_token, t_verify_min, weight_bytes
-from tandem.config import DTYPES
+from tandem.config import DTYPES, SPEC_POLICIES
 from tandem.models import load_model
 from tandem.models.config import ModelConfig
 from tandem.spec.types import SpecConfig
 
 logger = logging.getLogger(__name__)
 
-ALL_MODES = ("target-only", "spec", "services", "hf")
+ALL_MODES = ("target-only", "spec", "k0", "services", "hf")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +42,7 @@ class BenchConfig:
     dtype: str = "float32"
     page_size: int = 16
     two_lane_batch: int = 16
+    spec_policy: str = "fixed"  # "spec" and "services" rows (EngineConfig.spec_policy)
     log_dir: Path | None = None  # the services' logs (default: a temporary directory)
     draft_device: str | None = None  # the draft service's device (default: ``device``)
     profile_idle: bool = False  # GPU idle of one profiled round per services row
@@ -54,6 +55,8 @@ class BenchConfig:
             raise ValueError("batch_sizes: give at least one, each >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.spec_policy not in SPEC_POLICIES:
+            raise ValueError(f"spec_policy: {self.spec_policy!r} is not one of {SPEC_POLICIES}")
         w = self.workload
         if w.prompt_len < 1 or w.new_tokens < 2 or w.rounds < 1 or w.warmup_tokens < 0:
             raise ValueError("workload: prompt_len >= 1, new_tokens >= 2, rounds >= 1")
@@ -95,12 +98,13 @@ def run_bench(
         "Copy bandwidth (GB/s)": round(bandwidth / 1e9, 1),
         "Weights read per step (GB)": round(weight_bytes(model_config, torch_dtype) / 1e9, 3),
         "KV per token (KiB)": round(kv_bytes_per_token(model_config, torch_dtype) / 1024, 1),
+        "Speculation policy": config.spec_policy,
         "Draft device (services)": config.draft_device or config.device,
         "GPU idle profile": _profiled(config),
     }
     rows: list[Row] = []
     speculative = config.draft is not None
-    if "target-only" in config.modes or ("spec" in config.modes and speculative):
+    if "target-only" in config.modes or ({"spec", "k0"} & set(config.modes) and speculative):
         rows += _in_process(config, say)
     if "services" in config.modes and speculative:
         rows += _services(config, model_config, say)
@@ -154,12 +158,14 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
     say(f"loading {config.target} in process")
     model = load_model(config.target, dtype=DTYPES[config.dtype], device=config.device)
     rows = []
-    plans: list[tuple[str, SpecConfig | None]] = []
+    plans: list[tuple[str, SpecConfig | None, str]] = []
     if "target-only" in config.modes:
-        plans.append(("target-only", None))
+        plans.append(("target-only", None, "fixed"))
     if "spec" in config.modes and config.draft is not None:
-        plans.append(("spec", config.spec))
-    for mode, spec in plans:
+        plans.append(("spec", config.spec, config.spec_policy))
+    if "k0" in config.modes and config.draft is not None:
+        plans.append(("k0", config.spec, "k0"))  # the draft attached, every step K=0
+    for mode, spec, policy in plans:
         engine = inprocess.build_engine(
             config.target,
             config.draft,
@@ -171,6 +177,7 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
             max_batch=max(config.batch_sizes),
             simulate_accept_length=config.simulate_accept_length,
             model=model,
+            spec_policy=policy,
         )
         for bs in config.batch_sizes:
             say(f"{mode} bs={bs}")
@@ -204,6 +211,7 @@ def _services(config: BenchConfig, mc: ModelConfig, say: Callable[[str], None]) 
             max_batch=max(config.batch_sizes),
             two_lane_batch=config.two_lane_batch,
             simulate_accept_length=config.simulate_accept_length,
+            spec_policy=config.spec_policy,
             log_dir=log_dir,
             draft_device=config.draft_device,
             probe=probe,

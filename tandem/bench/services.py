@@ -56,6 +56,7 @@ def start_stack(
     two_lane_batch: int,
     simulate_accept_length: float | None,
     log_dir: Path,
+    spec_policy: str = "fixed",
     draft_device: str | None = None,
     probe: IdleProbe | None = None,
 ) -> Stack:
@@ -73,7 +74,10 @@ def start_stack(
         draft_port=free_port(),
         draft_deadline_s=30.0,  # measure the pipeline, never its fallback
         two_lane_batch=two_lane_batch,
-        extra_target_args=["--num-pages", str(num_pages), "--max-num-seqs", str(max_batch)],
+        extra_target_args=[
+            *("--num-pages", str(num_pages), "--max-num-seqs", str(max_batch)),
+            *("--spec-policy", spec_policy),
+        ],
     )
     for svc in stack.services:
         if svc.name == "target":

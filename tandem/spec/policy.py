@@ -109,5 +109,15 @@ class SpecPolicy:
         b.steps = b.tokens = b.ns = 0
 
 
+class NeverSpeculate(SpecPolicy):
+    """Every step K=0 with the draft attached (``spec_policy="k0"``): measures that path."""
+
+    def speculate(self, batch_size: int) -> bool:
+        return False
+
+    def record(self, batch_size: int, committed_tokens: int, step_ns: int) -> None:
+        pass
+
+
 def _other(mode: Mode) -> Mode:
     return Mode.PLAIN if mode is Mode.SPECULATE else Mode.SPECULATE
