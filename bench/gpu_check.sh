@@ -47,6 +47,8 @@ if want kernels; then
   rc=$?; row "bench/kernels_bench.py" $rc "$OUT/kernels_bench.txt"; rc_all=$((rc_all | rc))
   python3 bench/attention_bench.py > "$OUT/attention_bench.txt" 2>&1
   rc=$?; row "bench/attention_bench.py" $rc "$OUT/attention_bench.txt"; rc_all=$((rc_all | rc))
+  python3 bench/fused_bench.py > "$OUT/fused_bench.txt" 2>&1
+  rc=$?; row "bench/fused_bench.py" $rc "$OUT/fused_bench.txt"; rc_all=$((rc_all | rc))
 fi
 if want cpu; then
   # test_protos regenerates stubs with grpcio-tools and runs buf: neither is on the GPU image.
@@ -58,7 +60,7 @@ fi
 
 printf '%-44s %-8s %s\n' "check" "result" "summary"
 printf '%s\n' "${rows[@]}"
-for f in "$OUT"/kernels_bench.txt "$OUT"/attention_bench.txt; do
+for f in "$OUT"/kernels_bench.txt "$OUT"/attention_bench.txt "$OUT"/fused_bench.txt; do
   [ -f "$f" ] && { echo; echo "== $(basename "$f")"; cat "$f"; }
 done
 exit $rc_all
