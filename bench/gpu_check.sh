@@ -48,6 +48,8 @@ if want kernels; then
   rc=$?; row "bench/kernels_bench.py" $rc "$OUT/kernels_bench.txt"; rc_all=$((rc_all | rc))
   python3 bench/attention_bench.py > "$OUT/attention_bench.txt" 2>&1
   rc=$?; row "bench/attention_bench.py" $rc "$OUT/attention_bench.txt"; rc_all=$((rc_all | rc))
+  python3 bench/fused_bench.py > "$OUT/fused_bench.txt" 2>&1
+  rc=$?; row "bench/fused_bench.py" $rc "$OUT/fused_bench.txt"; rc_all=$((rc_all | rc))
 fi
 if want profile; then
   # Target-only decode on the 8B shape: host time per phase, GPU kernels and busy time per step.
@@ -73,8 +75,8 @@ fi
 
 printf '%-44s %-8s %s\n' "check" "result" "summary"
 printf '%s\n' "${rows[@]}"
-for f in "$OUT"/kernels_bench.txt "$OUT"/attention_bench.txt "$OUT"/profile_bs*.txt \
-         "$OUT"/parity.txt; do
+for f in "$OUT"/kernels_bench.txt "$OUT"/attention_bench.txt "$OUT"/fused_bench.txt \
+         "$OUT"/profile_bs*.txt "$OUT"/parity.txt; do
   [ -f "$f" ] && { echo; echo "== $(basename "$f")"; cat "$f"; }
 done
 exit $rc_all

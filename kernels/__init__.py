@@ -1,4 +1,5 @@
-"""Triton kernels (GPU path), each with a torch reference of the same signature in reference.py.
+"""Triton kernels (GPU path), each with a torch reference of the same signature in reference.py
+(reference_fused.py for the fused decoder-layer ops, reference_attention.py for attention).
 
 `ops(device)` picks an implementation of every op for a device: the Triton kernels on CUDA
 (when triton is installed), the references elsewhere. Triton is imported on first use of the
@@ -31,8 +32,10 @@ from kernels.reference import (
     verify_greedy_ref,
     verify_sampling_ref,
 )
+from kernels.reference_fused import add_rms_norm_ref, rms_norm_ref, rope_ref, silu_mul_ref
 
 _Triple = tuple[Tensor, Tensor, Tensor]
+_Pair = tuple[Tensor, Tensor]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +52,10 @@ class Ops:
     accepted_slots: Callable[..., tuple[Tensor, Tensor]]  # accepted_slots_ref
     compact_accepted: Callable[[list[Tensor], Tensor, Tensor], None]  # compact_accepted_ref
     store_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]  # store_kv_ref
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # rms_norm_ref
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], _Pair]  # add_rms_norm_ref
+    rope: Callable[[Tensor, Tensor, Tensor, Tensor], _Pair]  # rope_ref
+    silu_mul: Callable[[Tensor], Tensor]  # silu_mul_ref
 
 
 REFERENCE = Ops(
@@ -62,6 +69,10 @@ REFERENCE = Ops(
     accepted_slots=accepted_slots_ref,
     compact_accepted=compact_accepted_ref,
     store_kv=store_kv_ref,
+    rms_norm=rms_norm_ref,
+    add_rms_norm=add_rms_norm_ref,
+    rope=rope_ref,
+    silu_mul=silu_mul_ref,
 )
 
 
@@ -73,6 +84,7 @@ def triton_available() -> bool:
 @cache
 def triton_ops() -> Ops:
     """The Triton kernels (imports triton and defines the kernels on the first call)."""
+    from kernels.fused import add_rms_norm, rms_norm, rope, silu_mul
     from kernels.kv import compact_accepted, store_kv
     from kernels.sample import sample
     from kernels.top1 import top1, topk
@@ -89,6 +101,10 @@ def triton_ops() -> Ops:
         accepted_slots=accepted_slots,
         compact_accepted=compact_accepted,
         store_kv=store_kv,
+        rms_norm=rms_norm,
+        add_rms_norm=add_rms_norm,
+        rope=rope,
+        silu_mul=silu_mul,
     )
 
 

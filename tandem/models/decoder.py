@@ -6,20 +6,42 @@ final (normed) hidden states and, on request, the residual stream at any list of
 in transformers' ``output_hidden_states`` numbering: index 0 is the embedding output, index i
 the input of layer i (the output of layer i-1), index ``num_layers`` the final normed state.
 EAGLE-3 asks for three of them.
+
+The elementwise work of a layer runs as fused ops (``kernels.fused``: RMSNorm, residual add +
+RMSNorm, RoPE on q and k, SiLU * up) where :func:`fused_ops` allows, else as their torch
+references, the eager formulas this module always ran (bit-identical on CPU). The residual add
+that closes each sublayer is fused with the norm after it (vLLM's layout): a layer returns its
+MLP output and the residual stream before it, and the next layer's input norm (or the final
+norm) adds the two.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.kv import KVCache
 from tandem.models.config import ModelConfig
+
+
+def fused_ops(*tensors: torch.Tensor) -> kernels.Ops:
+    """The Triton kernels for an op on ``tensors`` where they may run, else the references:
+    CUDA with triton installed, one dtype, and nothing for autograd or autocast to see (the
+    kernels have no backward; under autocast the eager formulas mix dtypes as torch decides)."""
+    x = tensors[0]
+    if not kernels.uses_triton(x.device) or torch.is_autocast_enabled(x.device.type):
+        return kernels.REFERENCE
+    if any(t.dtype != x.dtype for t in tensors):
+        return kernels.REFERENCE
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return kernels.REFERENCE
+    return kernels.triton_ops()
 
 
 class RMSNorm(nn.Module):
@@ -31,10 +53,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return fused_ops(x, self.weight).rms_norm(x, self.weight, self.eps)
+
+    def add_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, size], a sublayer's output
+        residual: torch.Tensor,  # [num_tokens, size], the residual stream before it
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(residual + x), residual + x
+        ops = fused_ops(x, residual, self.weight)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -53,13 +80,6 @@ class Rotary(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [num_tokens, heads, head_dim]; cos/sin [num_tokens, head_dim]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 class Attention(nn.Module):
@@ -99,7 +119,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = fused_ops(q, k, cos, sin).rope(q, k, cos, sin)
         out = ctx.backend.forward(
             q,
             k,
@@ -125,11 +145,18 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        return self.down_proj(fused_ops(gate_up).silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
+    """A pre-norm layer whose residual adds are fused with the norms after them.
+
+    ``forward`` takes its input already normed by ``input_layernorm`` together with the
+    residual stream it came from, and returns the MLP output with the stream before that
+    output is added; the caller adds them in the next norm (``RMSNorm.add_norm``), so the
+    stream after this layer is ``add_norm``'s second output."""
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -139,12 +166,15 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,  # [num_tokens, hidden], the residual stream
+        x: torch.Tensor,  # [num_tokens, hidden], input_layernorm(residual)
+        residual: torch.Tensor,  # [num_tokens, hidden], the residual stream: this layer's input
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         ctx: ForwardContext,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # MLP output, residual stream before it
+        x, residual = self.post_attention_layernorm.add_norm(
+            self.self_attn(x, cos_sin, ctx), residual
+        )
+        return self.mlp(x), residual
 
 
 @dataclass
@@ -190,13 +220,18 @@ class DecoderLM(nn.Module):
                 raise ValueError(f"capture_layers: {index} is outside [0, {num_layers}]")
         wanted = set(capture_layers)
         captured: dict[int, torch.Tensor] = {}
-        h = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions, h.dtype)
-        for i, decoder_layer in enumerate(self.layers):
+        residual = self.embed_tokens(input_ids)  # the residual stream, input of layer 0
+        cos_sin = self.rotary.cos_sin(positions, residual.dtype)
+        layers = cast(Sequence[DecoderLayer], self.layers)
+        # Layer i's input norm closes layer i-1 (its residual add); the final norm the last.
+        norms = [*(layer.input_layernorm for layer in layers), self.norm]
+        x = norms[0](residual)
+        for i, decoder_layer in enumerate(layers):
             if i in wanted:
-                captured[i] = h
-            h = decoder_layer(h, cos_sin, ctx)
-        hidden = self.norm(h)
+                captured[i] = residual
+            out, residual = decoder_layer(x, residual, cos_sin, ctx)
+            x, residual = norms[i + 1].add_norm(out, residual)
+        hidden = x
         captured[num_layers] = hidden
         return ForwardOutput(hidden=hidden, captured=[captured[i] for i in capture_layers])
 

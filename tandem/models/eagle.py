@@ -113,8 +113,8 @@ class Eagle3Layer(nn.Module):
         g_normed = self.hidden_norm(g)
         residual = g_normed if self.norm_before_residual else g
         x = torch.cat((self.input_layernorm(e), g_normed), dim=-1)  # [num_tokens, 2H], e first
-        h = residual + self.self_attn(x, cos_sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, h = self.post_attention_layernorm.add_norm(self.self_attn(x, cos_sin, ctx), residual)
+        return h + self.mlp(x)
 
 
 class Eagle3Module(DraftModule):
@@ -203,8 +203,8 @@ class Eagle1Layer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [num_tokens, H]
-        h = x + self.self_attn(x, cos_sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed, h = self.post_attention_layernorm.add_norm(self.self_attn(x, cos_sin, ctx), x)
+        return h + self.mlp(normed)
 
 
 class EagleModule(DraftModule):

@@ -80,7 +80,8 @@ class MTPHead(DraftModule):
         e = self.enorm(self.embed_tokens(token_ids))  # [T, H]
         x = self.eh_proj(torch.cat((e, self.hnorm(h)), dim=-1))  # [T, H], embedding first
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
-        return self.shared_head.norm(self.decoder(x, cos_sin, ctx))
+        out, residual = self.decoder(self.decoder.input_layernorm(x), x, cos_sin, ctx)
+        return self.shared_head.norm.add_norm(out, residual)[0]  # norm(decoder layer output)
 
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, V] float32
         return self.shared_head.head(out).float()

@@ -102,6 +102,15 @@ def main() -> int:
     ops.store_kv(kv, kv, pools[0], pools[1], torch.tensor([1, 5, -1]))
     ops.store_kv(kv.float(), kv.float(), pools[0], pools[1], torch.tensor([1, 5, -1]))
     ops.compact_accepted(pools, torch.tensor([2, 3]), torch.tensor([1, 2]))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x, w = torch.randn(3, 4096).to(dtype), torch.randn(4096).to(dtype)
+        ops.rms_norm(x, w, 1e-6)
+        ops.add_rms_norm(x, x, w, 1e-6)
+        ops.rms_norm(x.view(3, 32, 128), w[:128], 1e-6)  # q/k norm: many rows per program
+        qkv = torch.randn(3, 48 * 128).to(dtype)
+        q, k = qkv[:, : 32 * 128].view(3, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(3, 8, 128)
+        ops.rope(q, k, x[:, :128], x[:, :128])
+        ops.silu_mul(torch.randn(3, 2 * 14336).to(dtype))
     for line in compiled:
         print("compiled for sm_90:", line)
     return 0

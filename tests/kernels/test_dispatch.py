@@ -79,5 +79,5 @@ def test_every_kernel_compiles_for_sm90() -> None:
     compiled = done.stdout.splitlines()
     for kernel in ("_top1_partial", "_topk_merge", "_sample_merge", "_build_tree",
                    "_verify_greedy", "_verify_sampling", "_accepted_slots", "_store_kv",
-                   "_compact"):  # fmt: skip
+                   "_compact", "_rms_norm", "_rope", "_silu_mul"):  # fmt: skip
         assert any(kernel in line for line in compiled), (kernel, compiled)
