@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # triton is imported when a runner is built, never by importi
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class GraphBatch:
     """One step in a bucket's padded layout, as host lists (``TargetGraphRunner.plan``)."""

@@ -44,17 +44,14 @@ import torch
 import kernels
 from tandem.graph_buffers import Bucket
 from tandem.models import ForwardContext
-from tandem.spec.draft_plan import (
-    PAD_BASE,
+from tandem.spec.draft_buffers import (
     ExtendEntry,
     LoopEntry,
     StaticInputs,
     build_extend_entry,
     build_loop_entry,
-    chain_schedule,
-    plan_extend,
-    plan_loop,
 )
+from tandem.spec.draft_plan import PAD_BASE, chain_schedule, plan_extend, plan_loop
 from tandem.spec.tree import CandidatePool
 from tandem.spec.types import Tree
 
@@ -270,8 +267,11 @@ class DraftGraphRunner:
     # -- buckets and capture -----------------------------------------------------------------
 
     def _max_pages(self, num_steps: int) -> int:
-        """Pages of a request's page table: the longest context plus S+1 new entries."""
-        return -(-(self.max_model_len + num_steps + 1) // self.drafter.kvs[0].spec.page_size)
+        """Pages of a request's page table: the longest context plus S+1 new entries, at most
+        the smallest pool (no request holds more)."""
+        kvs = self.drafter.kvs
+        longest = -(-(self.max_model_len + num_steps + 1) // kvs[0].spec.page_size)
+        return min(longest, *(kv.allocator.num_pages for kv in kvs))
 
     def _add_steps(self, num_steps: int) -> None:
         """Buckets for S = ``num_steps`` (and, with graphs, their capture), once."""

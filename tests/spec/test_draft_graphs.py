@@ -12,6 +12,7 @@ compare graph replays against the eager drafter over more than 200 steps.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import pytest
@@ -296,3 +297,43 @@ def test_steps_no_bucket_takes_run_on_the_host(ckpts: Checkpoints) -> None:
     runner = graph.enable_graphs(batch_sizes=(1,), max_model_len=64, capture=False)
     trees = Twin(graph, host).step([admits[3]], [], [])
     assert len(trees["r3"]) == 3 and runner.eager_steps == 1 and runner.replays == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_steps", [5, 3])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp-chain"])
+def test_captured_graph_trees_equal_eager_trees(
+    ckpts: Checkpoints, kind: str, num_steps: int
+) -> None:
+    """Real capture on CUDA: every replayed chain and extend against the eager drafter over
+    more than 200 steps while the batch moves between buckets."""
+    if DEVICE.type != "cuda":
+        pytest.skip("needs CUDA without TRITON_INTERPRET")
+    engine, twin = twin_engine(ckpts, kind, num_steps, capture=True)
+    runner = twin.graph.graphs
+    assert runner is not None and runner.captured and runner.steps == [num_steps]
+    outputs, steps = drive(engine, GPU_PLAN)
+    assert steps >= 200
+    assert outputs == target_only(ckpts, GPU_PLAN)
+    check_run(twin, min_buckets=4)
+    assert runner.steps == [num_steps]  # nothing captured on the way
+
+
+@pytest.mark.gpu
+def test_engine_with_target_graphs_captures_draft_graphs(
+    ckpts: Checkpoints, caplog: pytest.LogCaptureFixture
+) -> None:
+    if DEVICE.type != "cuda":
+        pytest.skip("needs CUDA without TRITON_INTERPRET")
+    drafter = make_drafter(ckpts, "eagle3", "cuda", page_size=16, num_pages=256)
+    config = EngineConfig(model=ckpts.target, device="cuda", num_pages=256, max_num_seqs=8)
+    with caplog.at_level(logging.INFO, logger="tandem.spec.draft_graphs"):
+        engine = Engine(config, drafter=drafter, spec=SpecConfig(num_steps=4, topk=1))
+    runner = drafter.graphs
+    assert runner is not None and runner.captured and runner.steps == [4]
+    count = 2 * len(config.graph_batch_sizes)  # a loop and an extend per batch size
+    assert f"captured {count} draft CUDA graphs" in caplog.text and "MiB" in caplog.text
+    outputs, _ = drive(engine, PLAN)
+    assert outputs == target_only(ckpts, PLAN)
+    assert any(kind == "loop" for kind, _ in runner.replays)
+    assert all(kv.allocator.num_free_pages == kv.allocator.num_pages for kv in drafter.kvs)
