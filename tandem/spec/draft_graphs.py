@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Update = tuple[str, list[int], "torch.Tensor | None"]
+Update = tuple[str, list[int], torch.Tensor | None]  # request id, new tokens, [n, F] features
 
 
 class DraftGraphRunner:
@@ -104,7 +104,7 @@ class DraftGraphRunner:
         self.extends: dict[Bucket, ExtendEntry] = {}  # width = S + 1
         self.steps: list[int] = []  # the S values with buckets
         self.replays: dict[tuple[str, Bucket], int] = {}  # ("loop" | "extend", bucket) -> runs
-        self.eager_steps = 0  # draft loops that ran on the host path instead
+        self.eager_steps = 0  # chain batches sent to the host path (context, room, pages)
         for s in sorted(set(num_steps)):
             self._add_steps(s)
 

@@ -289,6 +289,13 @@ def test_steps_no_bucket_takes_run_on_the_host(ckpts: Checkpoints) -> None:
     assert runner.replays == {("extend", Bucket(2, 4)): 1, ("loop", Bucket(2, 4)): 1}
     twin.step([], outcomes([1, 2, 3]), [])  # three: larger than every bucket
     assert sum(runner.replays.values()) == 2
+    # NaN logits end a chain at their depth (here the first), in a bucket as on the host.
+    for drafter in (graph, host):
+        last = drafter.seqs["r1"].last_out
+        last[0] = torch.full_like(last[0], float("nan"))  # type: ignore[arg-type]
+    trees = graph._draft(["r1", "r2"])
+    assert trees == host._draft(["r1", "r2"]) and len(trees["r1"]) == 1 < len(trees["r2"])
+    assert sum(runner.replays.values()) == 3
     twin.step([], [], [a.request_id for a in admits])
     assert twin.num_tracked() == 0
 
