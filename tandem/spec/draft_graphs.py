@@ -30,6 +30,9 @@ has K>1, requests differ in S, a request lacks context for a pair, a pool lacks 
 scratch slot, or the batch exceeds the largest bucket; ``mode="target"`` with several MTP heads
 always runs eagerly (its heads read target features at shifted positions, not staged here);
 admissions (prompts) extend eagerly. An S not captured at start is captured on first use.
+Trees (K>1) keep the host loop because each step's frontier (the K best of K*K candidates by
+cumulative score) and the scratch masks depend on the previous step's results; a device-side
+frontier selection with masks built from parent indices on the device would lift that.
 """
 
 from __future__ import annotations
