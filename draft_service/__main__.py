@@ -14,6 +14,7 @@ Every flag defaults to an environment variable (flags win):
 | ``--mtp-mode`` | ``TANDEM_DRAFT_MTP_MODE`` | chain |
 | ``--page-size`` / ``--num-pages`` | ``TANDEM_DRAFT_PAGE_SIZE`` / ``_NUM_PAGES`` | 16 / 2048 |
 | ``--device`` / ``--dtype`` | ``TANDEM_DRAFT_DEVICE`` / ``_DTYPE`` | cpu / float32 |
+| ``--cuda-graphs`` / ``--no-cuda-graphs`` | ``TANDEM_DRAFT_CUDA_GRAPHS`` | on for CUDA devices |
 | ``--host`` / ``--port`` | ``TANDEM_DRAFT_HOST`` / ``_PORT`` | 127.0.0.1 / 0 (any) |
 | ``--max-message-bytes`` | ``TANDEM_DRAFT_MAX_MESSAGE_BYTES`` | 64 MiB |
 | ``--reflection`` | ``TANDEM_DRAFT_REFLECTION`` | off |
@@ -67,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=env_default("TANDEM_DRAFT_DTYPE", "float32")
     )
+    graphs = None  # unset: on for CUDA devices
+    if env_default("TANDEM_DRAFT_CUDA_GRAPHS", None) is not None:
+        graphs = env_default("TANDEM_DRAFT_CUDA_GRAPHS", True)
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=graphs,
+        help="draft chains and extends through CUDA graphs (default: on for CUDA devices)",
+    )
     p.add_argument("--host", default=env_default("TANDEM_DRAFT_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=env_default("TANDEM_DRAFT_PORT", 0))
     p.add_argument(
@@ -102,6 +112,7 @@ def parse_config(argv: Sequence[str] | None = None) -> DraftServiceConfig:
                 device=args.device,
                 page_size=args.page_size,
                 num_pages=args.num_pages,
+                cuda_graphs=args.cuda_graphs,
             ),
             host=args.host,
             port=args.port,

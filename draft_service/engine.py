@@ -24,7 +24,7 @@ from tandem import profiling
 from tandem.config import DTYPES
 from tandem.models.config import ModelConfig
 from tandem.spec.base import Drafter
-from tandem.spec.build import DraftConfig, build_drafter
+from tandem.spec.build import DraftConfig, build_drafter, enable_draft_graphs
 from tandem.spec.drafter import ModelDrafter
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
 
@@ -134,6 +134,13 @@ class DraftEngine:
         started = time.perf_counter()
         target = ModelConfig.from_pretrained(self.config.target)
         drafter = build_drafter(self.config, target.num_layers)
+        if self.config.use_cuda_graphs:
+            enable_draft_graphs(
+                drafter,
+                batch_sizes=self.config.cuda_graph_batch_sizes,
+                max_model_len=target.max_position_embeddings,
+                num_steps=self.config.cuda_graph_steps,
+            )
         vocab = target.vocab_size
         if isinstance(drafter, ModelDrafter):
             vocab = drafter.modules[0].vocab_size

@@ -97,7 +97,7 @@ def generate(
         bool | None,
         typer.Option(
             "--cuda-graphs/--no-cuda-graphs",
-            help="Decode/verify steps through CUDA graphs (default: on for CUDA devices).",
+            help="Decode/verify and draft steps through CUDA graphs (default: on for CUDA).",
         ),
     ] = None,
     draft: Annotated[

@@ -33,6 +33,7 @@ from tandem.runner import ModelInputs, ModelOutputs, ModelRunner
 from tandem.sampling import SamplingParams, make_generator
 from tandem.scheduler import ScheduledBatch, Scheduler
 from tandem.spec.base import Drafter
+from tandem.spec.build import enable_draft_graphs
 from tandem.spec.exchange import DraftExchange
 from tandem.spec.policy import NeverSpeculate, SpecPolicy
 from tandem.spec.simulate import AcceptSimulator
@@ -119,6 +120,13 @@ class Engine:
                 max_model_len=self.max_model_len,
                 capture_layers=drafter.target_layer_ids if drafter is not None else (),
             )
+            if drafter is not None and spec is not None:  # the draft follows the target
+                enable_draft_graphs(
+                    drafter,
+                    batch_sizes=config.graph_batch_sizes,
+                    max_model_len=self.max_model_len,
+                    num_steps=(spec.num_steps,),
+                )
         self.scheduler = Scheduler(
             self.kv.allocator,
             max_num_seqs=config.max_num_seqs,

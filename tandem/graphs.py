@@ -37,10 +37,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from tandem.attention import AttentionMetadata, GraphMetadata
+from tandem.graph_buffers import (
+    WORD_BITS,
+    Bucket,
+    Layout,
+    mask_words,
+    page_table_elements,
+    write_page_table,
+)
 from tandem.kv import KVCache
 from tandem.models import DecoderLM, ForwardContext
 from tandem.spec.types import Tree
@@ -49,20 +56,6 @@ if TYPE_CHECKING:  # triton is imported when a runner is built, never by importi
     from tandem.attention.triton_backend import GraphAttention, TritonAttention
 
 logger = logging.getLogger(__name__)
-
-_WORD_BITS = 64
-
-
-@dataclass(frozen=True, order=True)
-class Bucket:
-    """One captured shape: ``batch_size`` requests of ``width`` query rows."""
-
-    batch_size: int
-    width: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.batch_size * self.width
 
 
 @dataclass
@@ -80,18 +73,11 @@ class GraphBatch:
     rows: list[int]  # [num_rows] the real rows, in the flat order of the eager batch
 
 
-@dataclass
-class _Layout:
-    """Where a bucket's inputs sit in the packed int64 staging buffer: ``(offset, numel)``
-    per input, in int64 elements; the int32 page table takes half an element per entry."""
-
-    spans: dict[str, tuple[int, int]]
-    total: int
-
-    @classmethod
-    def of(cls, bucket: Bucket, num_words: int, max_pages: int) -> _Layout:
-        bs, t = bucket.batch_size, bucket.num_tokens
-        sizes = {
+def _layout(bucket: Bucket, num_words: int, max_pages: int) -> Layout:
+    """Where a bucket's inputs sit in the packed int64 staging buffer."""
+    bs, t = bucket.batch_size, bucket.num_tokens
+    return Layout.packed(
+        {
             "input_ids": t,
             "positions": t,
             "slot_mapping": t,
@@ -100,13 +86,9 @@ class _Layout:
             "seq_lens": bs,
             "prefix_lens": bs,
             "tree_mask": t * num_words,
-            "page_table": -(-bs * max_pages // 2),
+            "page_table": page_table_elements(bs, max_pages),
         }
-        spans, offset = {}, 0
-        for name, size in sizes.items():
-            spans[name] = (offset, size)
-            offset += size
-        return cls(spans=spans, total=offset)
+    )
 
 
 @dataclass
@@ -114,7 +96,7 @@ class _Entry:
     """A bucket's views into the static buffers, and its graph once captured."""
 
     bucket: Bucket
-    layout: _Layout
+    layout: Layout
     backend: GraphAttention  # over the bucket's GraphMetadata
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
@@ -152,10 +134,10 @@ class TargetGraphRunner:
         self.widths = sorted(set(widths))
         self.buckets = [Bucket(b, w) for w in self.widths for b in self.batch_sizes]
         page_size = kv.spec.page_size
-        self.num_words = -(-self.widths[-1] // _WORD_BITS)
+        self.num_words = -(-self.widths[-1] // WORD_BITS)
         # A verified tree sits at KV indices [L - 1, L - 1 + width) with L <= max_model_len.
         self.max_pages = -(-(max_model_len + self.widths[-1]) // page_size)
-        layouts = {b: _Layout.of(b, self.num_words, self.max_pages) for b in self.buckets}
+        layouts = {b: _layout(b, self.num_words, self.max_pages) for b in self.buckets}
         size = max(layout.total for layout in layouts.values())
         on_cuda = self.device.type == "cuda"
         self._staging = torch.zeros(size, dtype=torch.int64, pin_memory=on_cuda)
@@ -207,7 +189,7 @@ class TargetGraphRunner:
             batch.input_ids += [*tree.tokens, *[0] * pad]
             batch.positions += [*(start + d for d in tree.depths), *[0] * pad]
             batch.slot_mapping += [*alloc.slot_mapping(request_id, start, start + n), *[-1] * pad]
-            batch.tree_mask += [*_mask_words(tree, words), *[0] * (pad * words)]
+            batch.tree_mask += [*mask_words(tree.parents, words), *[0] * (pad * words)]
             batch.seq_lens.append(start + n)
             batch.prefix_lens.append(start)
             batch.pages.append(alloc.pages(request_id))
@@ -337,12 +319,9 @@ class TargetGraphRunner:
             host[offset : offset + size] = value
         offset, _ = layout.spans["rows"]
         host[offset : offset + len(batch.rows)] = batch.rows
-        offset, size = layout.spans["page_table"]
-        table = host[offset : offset + size].view(np.int32)[: bucket.batch_size * self.max_pages]
-        table = table.reshape(bucket.batch_size, self.max_pages)
-        table[:] = 0  # the null page
-        for i, pages in enumerate(batch.pages):
-            table[i, : len(pages)] = pages
+        write_page_table(
+            host, layout.spans["page_table"], self.max_pages, bucket.batch_size, batch.pages
+        )
         total = layout.total
         self._inputs[:total].copy_(self._staging[:total], non_blocking=True)
         if self._copied is not None:
@@ -350,7 +329,7 @@ class TargetGraphRunner:
 
     # -- buffers ----------------------------------------------------------------------------
 
-    def _entry(self, bucket: Bucket, layout: _Layout) -> _Entry:
+    def _entry(self, bucket: Bucket, layout: Layout) -> _Entry:
         from tandem.attention.triton_backend import GraphAttention
 
         def view(name: str) -> torch.Tensor:
@@ -402,19 +381,6 @@ class TargetGraphRunner:
             pages=[],
             rows=[],
         )
-
-
-def _mask_words(tree: Tree, num_words: int) -> list[int]:  # [len(tree) * num_words]
-    """Each node's ancestor bits (bit j = node j, itself included) as signed int64 words."""
-    bits: list[int] = []
-    for i, parent in enumerate(tree.parents):
-        bits.append((bits[parent] if parent >= 0 else 0) | 1 << i)
-    words = []
-    for row in bits:
-        for k in range(num_words):
-            word = row >> (k * _WORD_BITS) & (1 << _WORD_BITS) - 1
-            words.append(word - (1 << _WORD_BITS) if word >> (_WORD_BITS - 1) else word)
-    return words
 
 
 def graph_widths(tree_size: int | None) -> tuple[int, ...]:

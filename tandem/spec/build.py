@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +16,11 @@ from tandem.models.draft import DraftModule
 from tandem.spec.base import Drafter
 from tandem.spec.drafter import ModelDrafter
 from tandem.spec.ngram import NgramDrafter
+
+if TYPE_CHECKING:
+    from tandem.spec.draft_graphs import DraftGraphRunner
+
+logger = logging.getLogger(__name__)
 
 DRAFT_KINDS = ("eagle3", "eagle", "mtp", "model", "ngram")
 MTP_MODES = ("chain", "target")
@@ -31,6 +39,10 @@ class DraftConfig:
     page_size: int = 16
     num_pages: int = 2048  # per draft module
     fast_top1: bool = True  # K=1: fused argmax + logsumexp instead of softmax + topk
+    # Chains and extends through CUDA graphs (tandem/spec/draft_graphs.py); None = on for CUDA.
+    cuda_graphs: bool | None = None
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    cuda_graph_steps: tuple[int, ...] = (3,)  # S captured at load; any other S on first use
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:
@@ -43,6 +55,19 @@ class DraftConfig:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
         if self.page_size < 1 or self.num_pages < 1:
             raise ValueError("page_size/num_pages: must be >= 1")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs: needs a CUDA device, not {self.device!r}")
+        sizes = self.cuda_graph_batch_sizes
+        if not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes)):
+            raise ValueError("cuda_graph_batch_sizes: need increasing sizes >= 1")
+        if any(s < 1 for s in self.cuda_graph_steps):
+            raise ValueError("cuda_graph_steps: every S must be >= 1")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        if self.cuda_graphs is None:
+            return self.device.startswith("cuda") and self.kind != "ngram"
+        return self.cuda_graphs
 
 
 def build_drafter(config: DraftConfig, num_target_layers: int) -> Drafter:
@@ -90,4 +115,27 @@ def build_drafter(config: DraftConfig, num_target_layers: int) -> Drafter:
         mode=config.mtp_mode,
         device=torch.device(config.device),
         fast_top1=config.fast_top1,
+    )
+
+
+def enable_draft_graphs(
+    drafter: Drafter,
+    *,
+    batch_sizes: Sequence[int],
+    max_model_len: int,
+    num_steps: Sequence[int] = (),
+    capture: bool = True,
+) -> DraftGraphRunner | None:
+    """Turns on the draft graphs of a model drafter that has them (None for the others: an
+    n-gram or remote draft, target-mode MTP with several heads)."""
+    from tandem.spec.draft_graphs import DraftGraphRunner
+
+    if not isinstance(drafter, ModelDrafter) or not DraftGraphRunner.supports(drafter):
+        logger.info("draft graphs: not available for %s; drafting eagerly", type(drafter).__name__)
+        return None
+    return drafter.enable_graphs(
+        batch_sizes=batch_sizes,
+        max_model_len=max_model_len,
+        num_steps=num_steps,
+        capture=capture,
     )

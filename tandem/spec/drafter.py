@@ -13,8 +13,12 @@ the parent. Every module keeps the committed pairs in its KV; a tree's pairs go 
 scratch entries that each see only their ancestors (exact tree attention) and are dropped after
 drafting.
 
-Known limit: candidate bookkeeping runs on the host between draft steps (one device read per
-step). The GPU issue's draft-loop graph replaces it for the single-module kinds.
+With graphs enabled (``enable_graphs``), chains (K=1) draft all S steps in one CUDA graph per
+batch bucket and committed pairs after a verification extend through one graph per bucket
+(``draft_graphs.py``); what no bucket takes runs on the host path below.
+
+Known limit: for trees (K>1) candidate bookkeeping runs on the host between draft steps (one
+device read per step): EAGLE-2's data-dependent frontier is not in the draft graphs yet.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +40,9 @@ from tandem.models.draft import DraftModule
 from tandem.spec.base import Drafter
 from tandem.spec.tree import CandidatePool, scratch_mask, softmax_topk
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
+
+if TYPE_CHECKING:
+    from tandem.spec.draft_graphs import DraftGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +96,32 @@ class ModelDrafter(Drafter):
         self.backend = backend_for(device)
         self.seqs: dict[str, _Seq] = {}
         self._dropped: list[str] = []
+        self.graphs: DraftGraphRunner | None = None
+
+    def enable_graphs(
+        self,
+        *,
+        batch_sizes: Sequence[int],
+        max_model_len: int,
+        num_steps: Sequence[int] = (),
+        capture: bool = True,
+    ) -> DraftGraphRunner:
+        """Runs chains and extends that fit a bucket through CUDA graphs, captured now for
+        each S in ``num_steps`` and on first use for any other S (``capture=False``: the same
+        static buffers run eagerly, on any device; Triton interpreted on CPU)."""
+        from tandem.attention.triton_backend import TritonAttention  # imports triton
+        from tandem.spec.draft_graphs import DraftGraphRunner
+
+        attention = self.backend if isinstance(self.backend, TritonAttention) else None
+        self.graphs = DraftGraphRunner(
+            self,
+            batch_sizes=batch_sizes,
+            max_model_len=max_model_len,
+            num_steps=num_steps,
+            capture=capture,
+            attention=attention,
+        )
+        return self.graphs
 
     def num_tracked(self) -> int:
         return len(self.seqs)
@@ -150,11 +184,14 @@ class ModelDrafter(Drafter):
             seq.tokens.extend(new_tokens)
             if features is not None:
                 self._add_features(seq, features)
+        rest = updates  # what no graph bucket takes runs here
+        if self.graphs is not None:
+            rest = self.graphs.extend(updates, starts)
         prev_outs: dict[str, tuple[int, list[torch.Tensor]]] = {}
-        for m, module in enumerate(self.modules):
+        for m, module in enumerate(self.modules if rest else ()):
             pairs: list[list[_Pair]] = []
             firsts: list[int] = []
-            for request_id, _, _ in updates:
+            for request_id, _, _ in rest:
                 seq = self.seqs[request_id]
                 first = max(starts[request_id], module.shift)
                 firsts.append(first)
@@ -170,7 +207,7 @@ class ModelDrafter(Drafter):
                     ]
                 )
             outs = self._run(m, pairs, masks=None)
-            for (request_id, _, _), first, out in zip(updates, firsts, outs, strict=True):
+            for (request_id, _, _), first, out in zip(rest, firsts, outs, strict=True):
                 seq = self.seqs[request_id]
                 prev_outs[request_id] = (first, [seq.last_out[m], *out])  # type: ignore[list-item]
                 if out:
@@ -269,6 +306,13 @@ class ModelDrafter(Drafter):
     # -- trees -----------------------------------------------------------------------------
 
     def _draft(self, request_ids: list[str]) -> dict[str, Tree]:
+        """Next trees. A chain batch that fits a graph bucket drafts there; trees (K>1), and
+        chains no bucket takes, run this host loop: top-K read back after every step, EAGLE-2
+        frontier and scratch masks built here (``draft_graphs.py`` says what lifts it)."""
+        if self.graphs is not None:
+            trees = self.graphs.draft(request_ids)
+            if trees is not None:
+                return trees
         pools: dict[str, CandidatePool] = {}
         for request_id in request_ids:
             seq = self.seqs[request_id]

@@ -417,6 +417,16 @@ def test_env_defaults_and_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
         parse_config(["--draft-kind", "eagle3"])  # eagle3 needs --draft
     with pytest.raises(ValueError, match="TANDEM_"):
         serving.env_default("DRAFT_PORT", 0)
+    assert parse_config([]).draft.cuda_graphs is None  # on for CUDA devices, off on CPU
+    assert not parse_config([]).draft.use_cuda_graphs
+    assert parse_config(
+        ["--device", "cuda", "--draft-kind", "eagle3", "--draft", "d"]
+    ).draft.use_cuda_graphs
+    assert parse_config(["--device", "cuda", "--no-cuda-graphs"]).draft.cuda_graphs is False
+    with pytest.raises(SystemExit):
+        parse_config(["--cuda-graphs"])  # CUDA graphs on a CPU device
+    monkeypatch.setenv("TANDEM_DRAFT_CUDA_GRAPHS", "off")
+    assert parse_config(["--device", "cuda"]).draft.cuda_graphs is False
     assert serving.parse_address("[::1]:50051") == ("::1", 50051)
     assert serving.format_address("::1", 50051) == "[::1]:50051"
     with pytest.raises(ValueError, match="HOST:PORT"):

@@ -1,0 +1,346 @@
+"""The draft's graph runner (``tandem/spec/draft_graphs.py``) against the host path.
+
+A twin drafter runs every step through two ``ModelDrafter`` s with the same weights, one with
+draft graphs (eager static here: the same buffers, padding and buckets, not captured; Triton
+interpreted on CPU) and one without: the trees must be identical at every step and the carried
+state (each module's last output) must agree, while requests arrive and finish (the batch moves
+between buckets and pads), for EAGLE-3 and chained MTP at S=5 and S=3. Greedy output stays the
+target-only output and both draft pools end empty. Draft-step positions (SGLang #25015) and the
+chained-MTP hidden rule (#22041) are checked directly. The ``gpu`` tests capture for real and
+compare graph replays against the eager drafter over more than 200 steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: import first
+
+# isort: split
+from kernels.attention import _tree_attention_kernel
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.graph_buffers import Bucket
+from tandem.models.config import ModelConfig
+from tandem.spec.base import Drafter
+from tandem.spec.build import DraftConfig, build_drafter
+from tandem.spec.drafter import ModelDrafter
+from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
+from tests.driving import Arrival, arrivals, drive
+from tests.spec.conftest import KINDS, LAYERS, VOCAB, Checkpoints
+
+check_mode(_tree_attention_kernel)
+
+# A one-token prompt: the admission carries two committed tokens, the least a chain needs.
+PLAN = [
+    Arrival(step=0, prompt=[5], max_new_tokens=12),
+    *arrivals(8, VOCAB, every=2, new_tokens=(4, 24), seed=7),
+]
+GPU_PLAN = arrivals(40, VOCAB, every=5, new_tokens=(16, 80), seed=11)
+BATCH_SIZES = (1, 2, 4, 8)
+ATOL = 1e-4  # carried hidden states: Triton attention on static buffers against the host path
+
+
+def make_drafter(
+    ckpts: Checkpoints, kind: str, device: str, page_size: int = 4, num_pages: int = 512
+) -> ModelDrafter:
+    draft_kind, mode = KINDS[kind]
+    config = DraftConfig(
+        kind=draft_kind,
+        path=ckpts.drafts[kind],
+        target=ckpts.target,
+        mtp_mode=mode,
+        device=device,
+        page_size=page_size,
+        num_pages=num_pages,
+    )
+    drafter = build_drafter(config, LAYERS)
+    assert isinstance(drafter, ModelDrafter)
+    return drafter
+
+
+class Twin(Drafter):
+    """Steps a graph drafter and a host-path drafter alike; their answers must be equal."""
+
+    def __init__(self, graph: ModelDrafter, eager: ModelDrafter) -> None:
+        self.graph, self.eager = graph, eager
+        self.target_layer_ids = graph.target_layer_ids
+        self.steps = 0
+        self.trees = 0
+
+    def step(
+        self,
+        admits: Sequence[DraftAdmit],
+        outcomes: Sequence[VerifyOutcome],
+        released: Sequence[str],
+    ) -> dict[str, Tree]:
+        expected = self.eager.step(admits, outcomes, released)
+        trees = self.graph.step(admits, outcomes, released)
+        assert trees == expected, f"step {self.steps}"
+        assert self.graph.seqs.keys() == self.eager.seqs.keys()
+        for request_id, seq in self.graph.seqs.items():
+            twin = self.eager.seqs[request_id]
+            assert seq.tokens == twin.tokens
+            for ours, theirs in zip(seq.last_out, twin.last_out, strict=True):
+                assert (ours is None) == (theirs is None)
+                if ours is not None and theirs is not None:
+                    torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+            for kv, twin_kv in zip(self.graph.kvs, self.eager.kvs, strict=True):
+                count = kv.allocator.num_tokens(request_id)
+                assert count == twin_kv.allocator.num_tokens(request_id)
+        self.steps += 1
+        self.trees += len(trees)
+        return trees
+
+    def take_dropped(self) -> list[str]:
+        dropped = self.graph.take_dropped()
+        assert dropped == self.eager.take_dropped()
+        return dropped
+
+    def num_tracked(self) -> int:
+        return self.graph.num_tracked()
+
+
+def twin_engine(
+    ckpts: Checkpoints, kind: str, num_steps: int, *, capture: bool, page_size: int = 4
+) -> tuple[Engine, Twin]:
+    graph = make_drafter(ckpts, kind, str(DEVICE), page_size, 2048 // page_size)
+    eager = make_drafter(ckpts, kind, str(DEVICE), page_size, 2048 // page_size)
+    graph.enable_graphs(
+        batch_sizes=BATCH_SIZES, max_model_len=256, num_steps=(num_steps,), capture=capture
+    )
+    twin = Twin(graph, eager)
+    config = EngineConfig(
+        model=ckpts.target,
+        device=str(DEVICE),
+        page_size=page_size,
+        num_pages=4096 // page_size,
+        cuda_graphs=False,
+    )
+    engine = Engine(config, drafter=twin, spec=SpecConfig(num_steps=num_steps, topk=1))
+    return engine, twin
+
+
+def feature_width(drafter: ModelDrafter, ckpts: Checkpoints) -> int:
+    hidden = ModelConfig.from_pretrained(ckpts.target).hidden_size
+    return len(drafter.target_layer_ids) * hidden
+
+
+def target_only(ckpts: Checkpoints, plan: Sequence[Arrival]) -> list[list[int]]:
+    config = EngineConfig(model=ckpts.target, device=str(DEVICE), num_pages=256, cuda_graphs=False)
+    return drive(Engine(config), plan)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(ckpts: Checkpoints) -> list[list[int]]:
+    return target_only(ckpts, PLAN)
+
+
+def check_run(twin: Twin, min_buckets: int) -> None:
+    runner = twin.graph.graphs
+    assert runner is not None
+    loops = {b for kind, b in runner.replays if kind == "loop"}
+    extends = {b for kind, b in runner.replays if kind == "extend"}
+    assert len({b.batch_size for b in loops}) >= min_buckets, runner.replays
+    assert extends, "no extend ran in a bucket"
+    assert twin.trees > 0 and twin.num_tracked() == 0
+    for drafter in (twin.graph, twin.eager):
+        for kv in drafter.kvs:
+            assert kv.allocator.num_free_pages == kv.allocator.num_pages, "draft KV leaked"
+
+
+@pytest.mark.parametrize("num_steps", [5, 3])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp-chain"])
+def test_graph_trees_equal_host_trees(
+    ckpts: Checkpoints, reference: list[list[int]], kind: str, num_steps: int
+) -> None:
+    engine, twin = twin_engine(ckpts, kind, num_steps, capture=False)
+    outputs, _ = drive(engine, PLAN)
+    assert outputs == reference
+    check_run(twin, min_buckets=3)
+    runner = twin.graph.graphs
+    assert runner is not None and not runner.captured
+
+
+def draft_positions(drafter: ModelDrafter, width: int) -> list[list[int]]:
+    """The RoPE positions of every module forward of one step: an outcome, then a chain."""
+    seen: list[list[int]] = []
+    hooks = [
+        module.register_forward_pre_hook(lambda _m, args: seen.append(args[2].tolist()))
+        for module in drafter.modules
+    ]
+    try:
+        features = torch.zeros(2, width, device=DEVICE)
+        outcome = VerifyOutcome(
+            request_id="a", accepted_token_ids=[11], bonus_token_id=12, features=features
+        )
+        drafter.step([], [outcome], [])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp-chain"])
+def test_every_draft_step_runs_at_its_position(ckpts: Checkpoints, kind: str) -> None:
+    """SGLang #25015: a draft step consumes the node of depth s at ``L - 1 + s - shift``; the
+    loop computes it from a base buffer and never moves that buffer."""
+    spec = SpecConfig(num_steps=5, topk=1)
+    prompt = list(range(3, 13))
+    graph, host = (make_drafter(ckpts, kind, str(DEVICE)) for _ in range(2))
+    runner = graph.enable_graphs(batch_sizes=(1,), max_model_len=64, capture=False)
+    width = feature_width(graph, ckpts)
+    for drafter in (graph, host):
+        features = torch.zeros(len(prompt) - 1, width, device=DEVICE)
+        admit = DraftAdmit(request_id="a", token_ids=prompt, features=features, spec=spec)
+        drafter.step([admit], [], [])
+    ours, theirs = draft_positions(graph, width), draft_positions(host, width)
+    length = len(prompt) + 2  # after the outcome: one accepted token and the bonus
+    shifts = [m.shift for m in graph.modules]
+    # The extend: every module consumes the two new tokens at their own positions.
+    extend = [[length - 2 - s, length - 1 - s] for s in shifts]
+    last = shifts[-1]  # the loop's module from step 1 on (head 1 for chained MTP)
+    loop = [[length - 1 + depth - last] for depth in range(1, 5)]
+    assert theirs == [*extend, *loop]
+    assert [row[: len(want)] for row, want in zip(ours, theirs, strict=True)] == theirs
+    assert all(len(row) == 6 for row in ours[: len(extend)])  # a bucket of S + 1 rows
+    entry = runner.loops[Bucket(1, 6)]
+    assert runner.replays[("loop", entry.bucket)] == 2  # after the admission and the outcome
+    assert entry.base.tolist() == [length - 1]  # the replay moved no input
+    first, second = runner.draft(["a"]), runner.draft(["a"])
+    assert first is not None and first == second  # the same inputs give the same chain
+    assert entry.base.tolist() == [length - 1]
+
+
+def test_chained_mtp_heads_read_the_previous_heads_state(ckpts: Checkpoints) -> None:
+    """SGLang #22041: head 1 drafts depth 1 from head 0's last committed output and depth 2
+    on from its own outputs; the extend leaves every head's last output in the runner's
+    buffers, from which the drafter's state is copied."""
+    drafter = make_drafter(ckpts, "mtp-chain", str(DEVICE))
+    runner = drafter.enable_graphs(batch_sizes=(1, 2), max_model_len=64, capture=False)
+    spec = SpecConfig(num_steps=3, topk=1)
+    prompt = list(range(3, 15))
+    width = feature_width(drafter, ckpts)
+    features = torch.randn(len(prompt) - 1, width, device=DEVICE)
+    drafter.step(
+        [DraftAdmit(request_id="a", token_ids=prompt, features=features, spec=spec)], [], []
+    )
+    hidden_in: list[torch.Tensor] = []
+    hook = drafter.modules[1].register_forward_pre_hook(
+        lambda _m, args: hidden_in.append(args[1].clone())
+    )
+    try:
+        outcome = VerifyOutcome(
+            request_id="a",
+            accepted_token_ids=[5],
+            bonus_token_id=6,
+            features=torch.randn(2, width, device=DEVICE),
+        )
+        drafter.step([], [outcome], [])
+    finally:
+        hook.remove()
+    seq = drafter.seqs["a"]
+    extend_in, depth1, depth2 = hidden_in
+    assert runner.replays == {("extend", Bucket(1, 4)): 1, ("loop", Bucket(1, 4)): 2}
+    for m, last in enumerate(seq.last_out):
+        assert last is not None and torch.equal(last, runner.last_out[m][0])
+    assert torch.equal(depth1[0], seq.last_out[0])  # head 0's state, carried into head 1
+    assert not torch.equal(depth2[0], depth1[0])  # then head 1's own output
+    assert extend_in.shape[0] == 4  # S + 1 rows, two of them padding
+
+
+def test_steps_no_bucket_takes_run_on_the_host(ckpts: Checkpoints) -> None:
+    """Trees (K>1) next to chains, more requests than the largest bucket, and a pool without
+    room for every scratch entry run the host loop, with the trees the host path gives."""
+    graph, host = (make_drafter(ckpts, "eagle3", str(DEVICE)) for _ in range(2))
+    runner = graph.enable_graphs(batch_sizes=(1, 2), max_model_len=64, capture=False)
+    twin = Twin(graph, host)
+    width = feature_width(graph, ckpts)
+    tree = SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)
+    specs = [tree, *[SpecConfig(num_steps=3)] * 3]
+    admits = [
+        DraftAdmit(
+            request_id=f"r{i}",
+            token_ids=list(range(3, 12 + i)),
+            features=torch.zeros(8 + i, width, device=DEVICE),
+            spec=spec,
+        )
+        for i, spec in enumerate(specs)
+    ]
+
+    def outcomes(ids: list[int]) -> list[VerifyOutcome]:
+        return [
+            VerifyOutcome(
+                request_id=f"r{i}",
+                accepted_token_ids=[],
+                bonus_token_id=9,
+                features=torch.zeros(1, width, device=DEVICE),
+            )
+            for i in ids
+        ]
+
+    trees = twin.step(admits, [], [])  # a tree among the chains
+    assert len(trees["r0"]) == 5 and runner.replays == {}
+    twin.step([], outcomes([1, 2]), [])  # two chains: a bucket
+    assert runner.replays == {("extend", Bucket(2, 4)): 1, ("loop", Bucket(2, 4)): 1}
+    twin.step([], outcomes([1, 2, 3]), [])  # three: larger than every bucket
+    assert sum(runner.replays.values()) == 2
+    # NaN logits end a chain at their depth (here the first), in a bucket as on the host.
+    for drafter in (graph, host):
+        last = drafter.seqs["r1"].last_out
+        last[0] = torch.full_like(last[0], float("nan"))  # type: ignore[arg-type]
+    trees = graph._draft(["r1", "r2"])
+    assert trees == host._draft(["r1", "r2"]) and len(trees["r1"]) == 1 < len(trees["r2"])
+    assert sum(runner.replays.values()) == 3
+    twin.step([], [], [a.request_id for a in admits])
+    assert twin.num_tracked() == 0
+
+    # Three pages hold the 11 committed pairs and one scratch entry, not two.
+    graph, host = (make_drafter(ckpts, "eagle3", str(DEVICE), num_pages=3) for _ in range(2))
+    runner = graph.enable_graphs(batch_sizes=(1,), max_model_len=64, capture=False)
+    trees = Twin(graph, host).step([admits[3]], [], [])
+    assert len(trees["r3"]) == 3 and runner.eager_steps == 1 and runner.replays == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_steps", [5, 3])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp-chain"])
+def test_captured_graph_trees_equal_eager_trees(
+    ckpts: Checkpoints, kind: str, num_steps: int
+) -> None:
+    """Real capture on CUDA: every replayed chain and extend against the eager drafter over
+    more than 200 steps while the batch moves between buckets."""
+    if DEVICE.type != "cuda":
+        pytest.skip("needs CUDA without TRITON_INTERPRET")
+    engine, twin = twin_engine(ckpts, kind, num_steps, capture=True)
+    runner = twin.graph.graphs
+    assert runner is not None and runner.captured and runner.steps == [num_steps]
+    outputs, steps = drive(engine, GPU_PLAN)
+    assert steps >= 200
+    assert outputs == target_only(ckpts, GPU_PLAN)
+    check_run(twin, min_buckets=4)
+    assert runner.steps == [num_steps]  # nothing captured on the way
+
+
+@pytest.mark.gpu
+def test_engine_with_target_graphs_captures_draft_graphs(
+    ckpts: Checkpoints, caplog: pytest.LogCaptureFixture
+) -> None:
+    if DEVICE.type != "cuda":
+        pytest.skip("needs CUDA without TRITON_INTERPRET")
+    drafter = make_drafter(ckpts, "eagle3", "cuda", page_size=16, num_pages=256)
+    config = EngineConfig(model=ckpts.target, device="cuda", num_pages=256, max_num_seqs=8)
+    with caplog.at_level(logging.INFO, logger="tandem.spec.draft_graphs"):
+        engine = Engine(config, drafter=drafter, spec=SpecConfig(num_steps=4, topk=1))
+    runner = drafter.graphs
+    assert runner is not None and runner.captured and runner.steps == [4]
+    count = 2 * len(config.graph_batch_sizes)  # a loop and an extend per batch size
+    assert f"captured {count} draft CUDA graphs" in caplog.text and "MiB" in caplog.text
+    outputs, _ = drive(engine, PLAN)
+    assert outputs == target_only(ckpts, PLAN)
+    assert any(kind == "loop" for kind, _ in runner.replays)
+    assert all(kv.allocator.num_free_pages == kv.allocator.num_pages for kv in drafter.kvs)
