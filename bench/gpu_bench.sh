@@ -15,8 +15,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-# SIGINT at 530 s (the services are stopped on the way out); progress lines go to bench.txt.
-timeout -s INT -k 20 530 python3 bench/speculative.py \
+# SIGINT at $BENCH_TIMEOUT s (default 565; the services are stopped on the way out); progress lines go to bench.txt.
+timeout -s INT -k 15 "${BENCH_TIMEOUT:-565}" python3 bench/speculative.py \
   --preset llama-3.1-8b --device cuda --models-dir "$MODELS" \
   --batch-sizes 1,8,32,64 --prompt-len 128 --new-tokens 128 --warmup-tokens 16 --rounds 1 \
   --spec-steps 3 --simulate-accept-length 3.0 \

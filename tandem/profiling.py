@@ -157,18 +157,27 @@ class StepWindow:
             pass
 
     def step(self) -> None:
-        """Called once at the end of each loop step."""
+        """Called once at the end of each loop step. Never raises: a profiler failure is
+        logged and ends profiling in this process, the service goes on."""
         if self._done:
             return
+        try:
+            self._step()
+        except Exception:
+            logger.exception("%s: profiling failed; profiling is off from now on", self.service)
+            self._done = True
+            self._profiler = None
+
+    def _step(self) -> None:
         if not self._armed:
             self._armed = self._poll_arm()
             return
         self._ticks += 1
         start = self.config.start_step
         if self._profiler is None and self._ticks >= max(1, start - WARMUP_STEPS):
-            activities = [ProfilerActivity.CPU]
-            if self.cuda:
-                activities.append(ProfilerActivity.CUDA)
+            # On CUDA only the device timeline: recording every CPU op of a busy service
+            # would cost host time (and post-processing) the window is meant to measure.
+            activities = [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
             self._profiler = profile(activities=activities)
             self._profiler.start()
         if self._ticks == start:
@@ -214,13 +223,13 @@ class StepWindow:
         devices: dict[str, dict[str, str]] = {}
         kinds: dict[str, int] = {}  # every event seen, by "<device type>/<activity type>"
         for e in events:
-            kind = e.activity_type()
+            kind = _activity(e)
             seen = f"{e.device_type().name}/{kind}"
             kinds[seen] = kinds.get(seen, 0) + 1
             if self.cuda:
                 if kind not in GPU_KINDS or e.device_type() != torch.autograd.DeviceType.CUDA:
                     continue
-                index, stream = e.device_index(), e.device_resource_id()
+                index, stream = e.device_index(), getattr(e, "device_resource_id", lambda: 0)()
             else:
                 if kind != CPU_KIND:
                     continue
@@ -278,3 +287,15 @@ class StepWindow:
         uuid = getattr(props, "uuid", None)
         key = f"GPU-{uuid}" if uuid is not None else f"cuda:{index}@{socket.gethostname()}"
         return {"key": key, "name": props.name, "label": f"cuda:{index}"}
+
+
+def _activity(event: Any) -> str:
+    """An event's activity type ("kernel", "gpu_memcpy", ...). Older torch (2.11) has no
+    ``activity_type`` on its events: there, device events count as kernels (every CUDA
+    event kineto records in a CUDA-only window is device work) and host events as CPU ops."""
+    get = getattr(event, "activity_type", None)
+    if get is not None:
+        return str(get())
+    if event.device_type() == torch.autograd.DeviceType.CUDA:
+        return GPU_KINDS[0]
+    return CPU_KIND

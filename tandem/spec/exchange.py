@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,7 +52,7 @@ class DraftExchange:
         # Per lane, the submission whose trees are not collected yet: request id -> draft_seq.
         self.awaiting: dict[int, dict[str, int]] = {}
         self.wait_ns = 0  # time in the drafter's submit/collect since the engine reset it
-        self.held: dict[str, VerifyOutcome] = {}  # K=0 outcomes not sent yet, merged
+        self.held: dict[str, _Held] = {}  # K=0 outcomes not sent yet
 
     def other_lane_in_flight(self, lane: int) -> bool:
         """Whether another lane's trees are being drafted right now."""
@@ -91,6 +92,7 @@ class DraftExchange:
         self._apply_dropped()
         admits: list[DraftAdmit] = []
         outcomes: list[VerifyOutcome] = []
+        tracked: list[tuple[Request, Verified, list[int]]] = []  # (request, outcome, rows)
         features = outputs.features
         for i, req in enumerate(batch.requests):
             if not req.speculate:
@@ -115,19 +117,21 @@ class DraftExchange:
                         req.in_draft = req.speculate = False
                 continue
             assert v is not None, "a request the draft tracks ran without verification"
-            outcome = VerifyOutcome(
-                request_id=req.request_id,
-                accepted_token_ids=v.new_tokens[:-1],
-                bonus_token_id=v.new_tokens[-1],
-                features=_rows(features, [start + n for n in v.accept_nodes]),
-            )
-            held = self.held.pop(req.request_id, None)
-            if held is not None:
-                outcome = _merge(held, outcome)
-            if draft or len(outcome.accepted_token_ids) + 1 >= HOLD_TOKENS:
-                outcomes.append(outcome)
+            tracked.append((req, v, [start + n for n in v.accept_nodes]))
+        # One gather for the whole step; each request's features are a view of it.
+        flat = [row for _, _, rows in tracked for row in rows]
+        gathered = None if features is None or not flat else features[flat]  # [rows, F]
+        offset = 0
+        for req, v, rows in tracked:
+            held = self.held.pop(req.request_id, None) or _Held()
+            held.tokens += v.new_tokens
+            if gathered is not None:
+                held.chunks.append(gathered[offset : offset + len(rows)])
+            offset += len(rows)
+            if draft or len(held.tokens) >= HOLD_TOKENS:
+                outcomes.append(held.outcome(req.request_id))
             else:
-                self.held[req.request_id] = outcome
+                self.held[req.request_id] = held
         for request_id in released:
             self.held.pop(request_id, None)
         if not (admits or outcomes or released):
@@ -199,24 +203,21 @@ class DraftExchange:
         )
 
 
-def _merge(first: VerifyOutcome, then: VerifyOutcome) -> VerifyOutcome:
-    """One outcome for two consecutive steps of a request: ``first``'s bonus token is
-    ``then``'s node 0, so the features ([accepted + 1, F] each) simply concatenate."""
-    features = None
-    if first.features is not None and then.features is not None:
-        features = torch.cat([first.features, then.features])
-    return VerifyOutcome(
-        request_id=then.request_id,
-        accepted_token_ids=[
-            *first.accepted_token_ids,
-            first.bonus_token_id,
-            *then.accepted_token_ids,
-        ],
-        bonus_token_id=then.bonus_token_id,
-        features=features,
-    )
+@dataclass
+class _Held:
+    """A request's committed steps not sent to the draft yet: each step's bonus token is the
+    next step's node 0, so tokens and features ([accepted + 1, F] per step) concatenate."""
 
+    tokens: list[int] = field(default_factory=list)  # accepted drafts and bonus, step by step
+    chunks: list[torch.Tensor] = field(default_factory=list)  # per step [accepted + 1, F]
 
-def _rows(features: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
-    """The captured target features of the given flat token rows ([len(rows), F])."""
-    return None if features is None else features[rows]
+    def outcome(self, request_id: str) -> VerifyOutcome:
+        features = None
+        if self.chunks:
+            features = self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
+        return VerifyOutcome(
+            request_id=request_id,
+            accepted_token_ids=self.tokens[:-1],
+            bonus_token_id=self.tokens[-1],
+            features=features,
+        )

@@ -34,8 +34,8 @@ class Mode(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
-    window_steps: int = 12  # measured steps per window
-    settle_steps: int = 2  # steps after a switch that are not measured
+    window_steps: int = 8  # measured steps per window
+    settle_steps: int = 1  # steps after a switch that are not measured
     explore_steps: int = 400  # steps in the better mode before measuring the other again
     # Speculation must beat plain decoding by this factor to be chosen (hysteresis).
     margin: float = 1.0

@@ -141,7 +141,7 @@ def test_speculation_after_a_long_k0_stretch_accepts_as_before() -> None:
     assert [r.token_ids for r in results] == expected
     assert len(accept) >= 10
     always_accept = _mean_accept(always, prompts, params)
-    # Measured: 3.71 against 3.83; with the held features misordered it falls to 3.30.
+    # Measured: 3.71 against 3.83; with the held features misordered it fell to 3.30.
     assert sum(accept) / len(accept) >= 0.92 * always_accept
     _assert_clean(paused)
 
