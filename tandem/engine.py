@@ -257,17 +257,24 @@ class Engine:
         self.last_lane = lane
         self.last_stats = SpecStats()
         speculate = exchange is not None
-        if exchange is not None:
+        num_running = max(1, len(self.scheduler.running))  # the policy's batch size
+        if self.policy is not None:
+            speculate = self.policy.speculate(num_running)
+        step_lane: int | None = lane
+        if exchange is not None and speculate:
             exchange.collect_idle(lanes)
             exchange.collect(lane)
-            lane_size = sum(1 for r in self.scheduler.running if r.lane == lane)
-            if self.policy is not None and not self.policy.speculate(max(1, lane_size)):
-                speculate = False  # K=0: plain decoding; trees that came back go unused
-                for req in self.scheduler.running:
-                    if req.lane == lane:
-                        req.tree = None
+        elif exchange is not None:
+            # K=0: every lane steps at once (lanes pay only while a draft drafts beside the
+            # target); answers that come back go unused, and a merged step reports lane 0.
+            for waiting in list(exchange.awaiting):
+                exchange.collect(waiting)
+            for req in self.scheduler.running:
+                req.tree = None
+            step_lane = None
+            lane = self.last_lane = 0
         self.last_speculated = speculate
-        batch = self.scheduler.schedule(lane)
+        batch = self.scheduler.schedule(step_lane)
         if not batch:
             return []
         decoding = [req.decoding for req in batch.requests]
@@ -297,7 +304,7 @@ class Engine:
         )
         if self.policy is not None and all(decoding):
             committed = sum(len(out.new_token_ids) for out in results)
-            self.policy.record(len(batch), committed, self.last_timing.total_ns)
+            self.policy.record(num_running, committed, self.last_timing.total_ns)
         return results
 
     def _verify(

@@ -195,15 +195,11 @@ class ModelDrafter(Drafter):
                 seq = self.seqs[request_id]
                 first = max(starts[request_id], module.shift)
                 firsts.append(first)
+                hidden = self._committed_hiddens(m, seq, first, prev_outs.get(request_id))
                 pairs.append(
                     [
-                        _Pair(
-                            request_id,
-                            seq.tokens[j],
-                            j - module.shift,
-                            self._committed_hidden(m, seq, j, prev_outs.get(request_id)),
-                        )
-                        for j in range(first, len(seq.tokens))
+                        _Pair(request_id, seq.tokens[j], j - module.shift, h)
+                        for j, h in zip(range(first, len(seq.tokens)), hidden, strict=True)
                     ]
                 )
             outs = self._run(m, pairs, masks=None)
@@ -214,6 +210,26 @@ class ModelDrafter(Drafter):
                     seq.last_out[m] = out[-1]
         for request_id, _, _ in updates:
             self._trim_features(self.seqs[request_id])
+
+    def _committed_hiddens(
+        self,
+        m: int,
+        seq: _Seq,
+        first: int,
+        prev: tuple[int, list[torch.Tensor]] | None,
+    ) -> list[torch.Tensor | None]:
+        """Hidden inputs of module ``m``'s committed pairs consuming ``t_first ...``. Target
+        features go through ``project_target`` once for the whole run of pairs (a long catch-up
+        after K=0 steps is one matmul, not one per token)."""
+        module, n = self.modules[m], len(seq.tokens) - first
+        if n <= 0:
+            return []
+        if module.uses_hidden and (m == 0 or self.mode == "target"):
+            assert seq.features is not None, "a hidden-consuming draft got no target features"
+            row = first - 1 - m - seq.feature_start
+            assert row >= 0 and row + n <= seq.features.shape[0], "features are not kept"
+            return list(module.project_target(seq.features[row : row + n]).unbind(0))
+        return [self._committed_hidden(m, seq, j, prev) for j in range(first, first + n)]
 
     def _committed_hidden(
         self,

@@ -158,3 +158,23 @@ def _mean_accept(engine: Engine, prompts: list[list[int]], params: SamplingParam
     for i in ids:
         engine.pop_finished(i)
     return sum(lengths) / len(lengths)
+
+
+def test_k0_steps_run_every_lane_at_once(ckpts: Checkpoints, reference: list[list[int]]) -> None:
+    """Lanes pay only while a draft drafts beside the target: a K=0 step takes both lanes'
+    requests in one forward (two lanes of plain decoding would halve the throughput)."""
+    engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
+    engine.policy = Scripted([False] * 5 + [True] * 3)
+    ids = [engine.add_request(p, greedy(), lane=i % 2) for i, p in enumerate(ragged_prompts())]
+    merged = 0
+    while engine.has_unfinished():
+        running_lanes = {r.lane for r in engine.scheduler.running}
+        sizes = len(engine.scheduler.running)
+        engine.step()
+        if not engine.last_speculated and running_lanes == {0, 1}:
+            merged += 1
+            assert engine.last_stats.verify_steps == sizes  # every running request stepped
+    engine.flush_draft()
+    assert [engine.pop_finished(i).token_ids for i in ids] == reference
+    assert merged > 5
+    _assert_clean(engine)
