@@ -11,7 +11,10 @@ K=0 steps (the adaptive policy, ``tandem.spec.policy``) submit with ``draft=Fals
 outcomes are held back per request and merged (tokens and features concatenate exactly as the
 draft would have applied them one by one), so the draft does no work while the lane decodes
 plainly. They go out in one extend when speculation resumes, or once ``HOLD_TOKENS`` pile up
-(which bounds the features held here; that answer's trees are unused while K=0 lasts).
+(which bounds the features held here; that answer's trees are unused while K=0 lasts). Held
+runs go out at most ``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses
+together does not resume in one message over the stream's cap; a request still holding decodes
+without a tree.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from tandem.spec.verify import Verified
 logger = logging.getLogger(__name__)
 
 HOLD_TOKENS = 64  # committed tokens a request may hold back from the draft during K=0
+HELD_BYTES_PER_STEP = 16 << 20  # features of held runs sent per step (beyond the first run)
 
 
 class DraftExchange:
@@ -121,17 +125,20 @@ class DraftExchange:
         # One gather for the whole step; each request's features are a view of it.
         flat = [row for _, _, rows in tracked for row in rows]
         gathered = None if features is None or not flat else features[flat]  # [rows, F]
-        offset = 0
+        offset, sent_bytes = 0, 0
         for req, v, rows in tracked:
             held = self.held.pop(req.request_id, None) or _Held()
             held.tokens += v.new_tokens
             if gathered is not None:
                 held.chunks.append(gathered[offset : offset + len(rows)])
             offset += len(rows)
-            if draft or len(held.tokens) >= HOLD_TOKENS:
+            due = draft or len(held.tokens) >= HOLD_TOKENS
+            # Long held runs go out a few per step: one message stays far below its cap.
+            if due and (not outcomes or sent_bytes + held.nbytes <= HELD_BYTES_PER_STEP):
                 outcomes.append(held.outcome(req.request_id))
+                sent_bytes += held.nbytes
             else:
-                self.held[req.request_id] = held
+                self.held[req.request_id] = held  # it decodes without a tree until sent
         for request_id in released:
             self.held.pop(request_id, None)
         if not (admits or outcomes or released):
@@ -210,6 +217,10 @@ class _Held:
 
     tokens: list[int] = field(default_factory=list)  # accepted drafts and bonus, step by step
     chunks: list[torch.Tensor] = field(default_factory=list)  # per step [accepted + 1, F]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.chunks)
 
     def outcome(self, request_id: str) -> VerifyOutcome:
         features = None

@@ -178,3 +178,26 @@ def test_k0_steps_run_every_lane_at_once(ckpts: Checkpoints, reference: list[lis
     assert [engine.pop_finished(i).token_ids for i in ids] == reference
     assert merged > 5
     _assert_clean(engine)
+
+
+def test_held_runs_resume_a_few_per_step(
+    ckpts: Checkpoints, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a byte budget that lets one held run out per step, a whole batch resuming after
+    K=0 catches up over several steps (those still holding decode without a tree)."""
+    from tandem.spec import exchange
+
+    monkeypatch.setattr(exchange, "HELD_BYTES_PER_STEP", 1)
+    engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
+    engine.policy = Scripted([False] * 12 + [True] * 12)
+    ids = [engine.add_request(p, greedy()) for p in ragged_prompts()]
+    holding: list[int] = []
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.exchange is not None
+        if engine.last_speculated:
+            holding.append(len(engine.exchange.held))
+    engine.flush_draft()
+    assert [engine.pop_finished(i).token_ids for i in ids] == reference
+    assert any(n >= 2 for n in holding)  # several runs waited their turn
+    _assert_clean(engine)
