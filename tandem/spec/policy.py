@@ -5,9 +5,10 @@ once the forward stops being memory-bound), on the acceptance of the traffic, an
 draft runs. None of that is known in advance, so the policy measures it: for each batch-size
 bucket it keeps the committed tokens per second of the last window of steps in each mode, with
 speculation (the deployment's K, S, N) and without (K=0: plain decoding, the target-only
-path), and runs the better one. Every ``explore_steps`` steps of a bucket it measures the
-other mode again for one window, since acceptance drifts with the traffic. A bucket starts by
-measuring both.
+path), and runs the better one. After ``first_explore_steps`` steps it measures the other mode
+again for one window, then after twice as many, up to every ``explore_steps`` steps: a
+bucket's first windows may carry cold-start costs, and acceptance drifts with the traffic. A
+bucket starts by measuring both.
 
 The first ``settle_steps`` steps after a switch are not measured: the first speculative step
 after K=0 has no trees yet (the draft catches up on the tokens committed meanwhile) and the
@@ -37,12 +38,17 @@ class PolicyConfig:
     window_steps: int = 8  # measured steps per window
     settle_steps: int = 1  # steps after a switch that are not measured
     explore_steps: int = 400  # steps in the better mode before measuring the other again
+    # The first decisions are checked again sooner (the interval doubles up to explore_steps):
+    # a bucket's first windows can carry cold-start costs (a draft's first shapes, say).
+    first_explore_steps: int = 32
     # Speculation must beat plain decoding by this factor to be chosen (hysteresis).
     margin: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.window_steps < 1 or self.settle_steps < 0 or self.explore_steps < 1:
-            raise ValueError("window_steps, explore_steps: >= 1; settle_steps: >= 0")
+        if min(self.window_steps, self.explore_steps, self.first_explore_steps) < 1:
+            raise ValueError("window_steps, explore_steps, first_explore_steps: must be >= 1")
+        if self.settle_steps < 0:
+            raise ValueError("settle_steps: must be >= 0")
         if self.margin <= 0:
             raise ValueError("margin: must be > 0")
 
@@ -55,6 +61,7 @@ class _Bucket:
     measuring: bool = True  # this window's rate is recorded for ``mode``
     rates: dict[Mode, float] = field(default_factory=dict)  # committed tokens per second
     steps: int = 0  # steps in the current phase (settle + window, or exploit)
+    decisions: int = 0  # exploit phases so far (each one doubles the next phase's length)
     tokens: int = 0  # measured so far in this window
     ns: int = 0
 
@@ -76,7 +83,8 @@ class SpecPolicy:
         c, b = self.config, self._bucket(batch_size)
         b.steps += 1
         if not b.measuring:
-            if b.steps >= c.explore_steps:  # measure the other mode again
+            interval = min(c.explore_steps, c.first_explore_steps << max(0, b.decisions - 1))
+            if b.steps >= interval:  # measure the other mode again
                 self._switch(b, _other(b.mode), measuring=True)
             return
         if b.steps <= c.settle_steps:
@@ -92,6 +100,7 @@ class SpecPolicy:
             return
         spec, plain = b.rates[Mode.SPECULATE], b.rates[Mode.PLAIN]
         best = Mode.SPECULATE if spec > plain * c.margin else Mode.PLAIN
+        b.decisions += 1
         self._switch(b, best, measuring=False)
 
     def rates(self, batch_size: int) -> dict[str, float]:

@@ -201,3 +201,20 @@ def test_held_runs_resume_a_few_per_step(
     assert [engine.pop_finished(i).token_ids for i in ids] == reference
     assert any(n >= 2 for n in holding)  # several runs waited their turn
     _assert_clean(engine)
+
+
+def test_a_decision_from_a_cold_window_is_checked_again_soon() -> None:
+    """The first speculative window of a bucket is slow (cold start), so plain decoding wins
+    the first decision; the policy measures again after first_explore_steps and switches."""
+    config = PolicyConfig(window_steps=4, settle_steps=1, explore_steps=400, first_explore_steps=8)
+    policy = SpecPolicy(config)
+    modes = []
+    for step in range(60):
+        on = policy.speculate(1)
+        modes.append(on)
+        cold = on and step < 5
+        tokens, ns = (3, 20_000_000 if cold else 2_000_000) if on else (1, 1_000_000)
+        policy.record(1, tokens, ns)
+    assert modes[5:18] == [False] * 13  # plain measured, then run for 8 steps
+    assert all(modes[18:39])  # speculation measured again (warm now), wins, runs 16 steps
+    assert not any(modes[39:44]) and all(modes[44:])  # one plain window, then 32 steps
