@@ -164,6 +164,7 @@ class Engine:
         self.last_stats = SpecStats()  # the last step's verifications, all requests together
         self.last_timing = StepTiming()
         self.overlapped_steps = 0  # steps whose forward ran while another lane was drafted
+        self.unwaited_answers = 0  # K=0 steps that left an answer being drafted (not waited)
 
     def _num_pages(self, spec: KVCacheSpec) -> int:
         c = self.config
@@ -261,18 +262,27 @@ class Engine:
         if self.policy is not None:
             speculate = self.policy.speculate(num_running)
         step_lane: int | None = lane
+        can_send = True
         if exchange is not None and speculate:
             exchange.collect_idle(lanes)
             exchange.collect(lane)
         elif exchange is not None:
             # K=0: every lane steps at once (lanes pay only while a draft drafts beside the
-            # target); answers that come back go unused, and a merged step reports lane 0.
+            # target) and never waits on the draft: answers that are back are taken (and go
+            # unused), ones still being drafted stay out, made stale by the step.
             for waiting in list(exchange.awaiting):
-                exchange.collect(waiting)
+                if not self.drafter.in_flight(waiting):  # type: ignore[union-attr]
+                    exchange.collect(waiting)
+                else:
+                    self.unwaited_answers += 1
             for req in self.scheduler.running:
                 req.tree = None
+                req.draft_seq += 1
             step_lane = None
-            lane = self.last_lane = 0
+            # Held runs go out on a lane with no answer outstanding (none free: they wait).
+            free = [n for n in range(MAX_LANES) if n not in exchange.awaiting]
+            lane = self.last_lane = free[0] if free else 0
+            can_send = bool(free)
         self.last_speculated = speculate
         batch = self.scheduler.schedule(step_lane)
         if not batch:
@@ -295,7 +305,9 @@ class Engine:
         )
         if exchange is not None:
             released = self._take_released()
-            exchange.submit(lane, batch, inputs, outputs, verified, released, draft=speculate)
+            exchange.submit(
+                lane, batch, inputs, outputs, verified, released, draft=speculate, send=can_send
+            )
         self.last_timing = StepTiming(
             total_ns=time.perf_counter_ns() - started,
             forward_ns=forward_ns,

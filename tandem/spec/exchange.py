@@ -57,6 +57,9 @@ class DraftExchange:
         self.awaiting: dict[int, dict[str, int]] = {}
         self.wait_ns = 0  # time in the drafter's submit/collect since the engine reset it
         self.held: dict[str, _Held] = {}  # K=0 outcomes not sent yet
+        # Waiting for a lane with no answer outstanding (K=0 steps never wait on the draft).
+        self._deferred_admits: list[DraftAdmit] = []
+        self._deferred_released: list[str] = []
 
     def other_lane_in_flight(self, lane: int) -> bool:
         """Whether another lane's trees are being drafted right now."""
@@ -71,6 +74,8 @@ class DraftExchange:
 
     def flush(self, released: list[str], lane: int) -> None:
         """Collects every outstanding answer; then tells the draft about ``released``."""
+        admits, released = self._with_deferred([], released)
+        assert not admits, "a deferred admit outlived its request"
         for request_id in released:
             self.held.pop(request_id, None)
         for waiting in list(self.awaiting):
@@ -89,10 +94,13 @@ class DraftExchange:
         released: list[str],
         *,
         draft: bool = True,
+        send: bool = True,
     ) -> None:
         """Submits the step's outcome to the draft; the trees come at the lane's next step.
         ``released``: requests finished, aborted or preempted since the draft last heard.
-        ``draft=False`` (a K=0 step): outcomes are held back (see the module docstring)."""
+        ``draft=False`` (a K=0 step): outcomes are held back (see the module docstring).
+        ``send=False``: the lane still awaits an answer, so nothing goes out this step: held
+        runs keep holding and released ids wait for the next submission."""
         self._apply_dropped()
         admits: list[DraftAdmit] = []
         outcomes: list[VerifyOutcome] = []
@@ -132,7 +140,7 @@ class DraftExchange:
             if gathered is not None:
                 held.chunks.append(gathered[offset : offset + len(rows)])
             offset += len(rows)
-            due = draft or len(held.tokens) >= HOLD_TOKENS
+            due = send and (draft or len(held.tokens) >= HOLD_TOKENS)
             # Long held runs go out a few per step: one message stays far below its cap.
             if due and (not outcomes or sent_bytes + held.nbytes <= HELD_BYTES_PER_STEP):
                 outcomes.append(held.outcome(req.request_id))
@@ -141,6 +149,11 @@ class DraftExchange:
                 self.held[req.request_id] = held  # it decodes without a tree until sent
         for request_id in released:
             self.held.pop(request_id, None)
+        if not send:  # admits and releases wait for a lane with no answer outstanding
+            self._deferred_admits += admits
+            self._deferred_released += released
+            return
+        admits, released = self._with_deferred(admits, released)
         if not (admits or outcomes or released):
             return  # a K=0 step with nothing to send: the draft does no work
         awaiting: dict[str, int] = {}
@@ -177,6 +190,19 @@ class DraftExchange:
                 continue
             room = min(self.max_model_len, len(req.prompt_ids) + req.params.max_new_tokens)
             req.tree = tree.prefix(max(1, room - req.num_computed))
+
+    def _with_deferred(
+        self, admits: list[DraftAdmit], released: list[str]
+    ) -> tuple[list[DraftAdmit], list[str]]:
+        """Prepends what waited for a free lane; an admit of a request released meanwhile is
+        never sent (nor is its release: the draft never knew it)."""
+        admits = [*self._deferred_admits, *admits]
+        released = [*self._deferred_released, *released]
+        self._deferred_admits, self._deferred_released = [], []
+        gone = set(released)
+        dropped = {a.request_id for a in admits if a.request_id in gone}
+        admits = [a for a in admits if a.request_id not in gone]
+        return admits, [r for r in released if r not in dropped]
 
     def _apply_dropped(self) -> None:
         for request_id in self.drafter.take_dropped():

@@ -1,0 +1,71 @@
+"""K=0 steps against a real draft service: they never wait on the draft (answers still being
+drafted are left out and made stale), held runs and admits go out on a lane with no answer
+outstanding, and switching modes at any step leaves greedy output and both pools unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.sampling import SamplingParams
+from tandem.spec.exchange import HOLD_TOKENS
+from tandem.spec.policy import SpecPolicy
+from tests.service.test_draft_service import (  # noqa: F401 (fixtures)
+    SPEC,
+    Ckpts,
+    Feed,
+    ServerThread,
+    _remote,
+    _wait,
+    ckpts,
+    server,
+)
+
+
+class Scripted(SpecPolicy):
+    def __init__(self, pattern: list[bool]) -> None:
+        super().__init__()
+        self.pattern, self.step = pattern, 0
+
+    def speculate(self, batch_size: int) -> bool:
+        on = self.pattern[self.step % len(self.pattern)]
+        self.step += 1
+        return on
+
+
+@pytest.mark.parametrize("two_lanes", [False, True])
+def test_k0_stretches_through_the_draft_service_equal_target_only(
+    server: ServerThread,  # noqa: F811 (the imported fixture)
+    ckpts: Ckpts,  # noqa: F811
+    two_lanes: bool,
+) -> None:
+    prompts = [Feed(9).ids(n) for n in (2, 7, 12, 5, 16)]
+    params = SamplingParams(max_new_tokens=HOLD_TOKENS + 40, ignore_eos=True)
+    config = EngineConfig(model=ckpts.target, page_size=4)
+    reference = [r.token_ids for r in Engine(config).generate(prompts, params)]
+    remote = _remote(server.address, deadline_s=10.0)
+    try:
+        engine = Engine(config, drafter=remote, spec=SPEC)
+        # Short switches (answers in flight when K=0 starts) and one stretch past HOLD_TOKENS.
+        engine.policy = Scripted(
+            [True, False, True, True, False, False] + [False] * (HOLD_TOKENS + 2) + [True] * 8
+        )
+        lanes = (lambda i: i % 2) if two_lanes else (lambda i: 0)
+        ids = [engine.add_request(p, params, lane=lanes(i)) for i, p in enumerate(prompts)]
+        while engine.has_unfinished():
+            engine.step()
+        engine.flush_draft()
+        results = [engine.pop_finished(i) for i in ids]
+        assert [r.token_ids for r in results] == reference
+        assert sum(r.stats.draft_tokens for r in results) > 0  # trees verified after K=0
+        assert engine.unwaited_answers > 0  # K=0 steps went ahead of answers being drafted
+        assert engine.exchange is not None and not engine.exchange.held
+        assert remote.take_dropped() == []
+        alloc = engine.kv.allocator
+        assert alloc.num_free_pages == alloc.num_pages
+        _wait(lambda: server.num_tracked() == 0)
+        kv = server.run(server.server.engine.kv_usage())
+        assert kv.pages_used == 0
+    finally:
+        remote.close()
