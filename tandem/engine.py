@@ -164,7 +164,6 @@ class Engine:
         self.last_stats = SpecStats()  # the last step's verifications, all requests together
         self.last_timing = StepTiming()
         self.overlapped_steps = 0  # steps whose forward ran while another lane was drafted
-        self.unwaited_answers = 0  # K=0 steps that left an answer being drafted (not waited)
 
     def _num_pages(self, spec: KVCacheSpec) -> int:
         c = self.config
@@ -268,21 +267,11 @@ class Engine:
             exchange.collect(lane)
         elif exchange is not None:
             # K=0: every lane steps at once (lanes pay only while a draft drafts beside the
-            # target) and never waits on the draft: answers that are back are taken (and go
-            # unused), ones still being drafted stay out, made stale by the step.
-            for waiting in list(exchange.awaiting):
-                if not self.drafter.in_flight(waiting):  # type: ignore[union-attr]
-                    exchange.collect(waiting)
-                else:
-                    self.unwaited_answers += 1
-            for req in self.scheduler.running:
-                req.tree = None
-                req.draft_seq += 1
+            # target), never waiting on the draft; a merged step reports its sending lane.
+            send_lane = exchange.skip(self.scheduler.running, MAX_LANES)
             step_lane = None
-            # Held runs go out on a lane with no answer outstanding (none free: they wait).
-            free = [n for n in range(MAX_LANES) if n not in exchange.awaiting]
-            lane = self.last_lane = free[0] if free else 0
-            can_send = bool(free)
+            lane = self.last_lane = send_lane if send_lane is not None else 0
+            can_send = send_lane is not None
         self.last_speculated = speculate
         batch = self.scheduler.schedule(step_lane)
         if not batch:

@@ -57,6 +57,7 @@ class DraftExchange:
         self.awaiting: dict[int, dict[str, int]] = {}
         self.wait_ns = 0  # time in the drafter's submit/collect since the engine reset it
         self.held: dict[str, _Held] = {}  # K=0 outcomes not sent yet
+        self.unwaited_answers = 0  # answers a K=0 step went ahead of (still being drafted)
         # Waiting for a lane with no answer outstanding (K=0 steps never wait on the draft).
         self._deferred_admits: list[DraftAdmit] = []
         self._deferred_released: list[str] = []
@@ -66,11 +67,23 @@ class DraftExchange:
         return any(self.drafter.in_flight(other) for other in self.awaiting if other != lane)
 
     def collect_idle(self, busy: set[int]) -> None:
-        """Takes the answers of lanes that have no work any more (emptied by moves), without
-        waiting for ones still being drafted."""
+        """Takes the answers of lanes not in ``busy`` (emptied by moves; every lane in a K=0
+        step), without waiting for ones still being drafted."""
         for idle in [n for n in self.awaiting if n not in busy]:
             if not self.drafter.in_flight(idle):
                 self.collect(idle)
+
+    def skip(self, running: list[Request], num_lanes: int) -> int | None:
+        """Readies a K=0 step of ``running`` without waiting on the draft: answers that are
+        back are taken (and go unused), ones still being drafted stay out and the step makes
+        them stale. Returns the lane its submission may go out on (one with no answer
+        outstanding), None when there is none (nothing is sent then)."""
+        self.collect_idle(set())
+        self.unwaited_answers += len(self.awaiting)
+        for req in running:
+            req.tree = None
+            req.draft_seq += 1
+        return next((n for n in range(num_lanes) if n not in self.awaiting), None)
 
     def flush(self, released: list[str], lane: int) -> None:
         """Collects every outstanding answer; then tells the draft about ``released``."""
