@@ -1,13 +1,15 @@
 """Pieces shared by the CUDA-graph runners (``tandem/graphs.py`` for the target,
 ``tandem/spec/draft_graphs.py`` for the draft): bucket shapes, the packed int64 staging layout
-that one host-to-device copy fills, and tree-mask words."""
+that one host-to-device copy fills, tree-mask words, and the capture of one graph."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
 
 WORD_BITS = 64
 
@@ -74,3 +76,21 @@ def mask_words(parents: Sequence[int], num_words: int) -> list[int]:  # [N * num
             word = row >> (k * WORD_BITS) & (1 << WORD_BITS) - 1
             words.append(word - (1 << WORD_BITS) if word >> (WORD_BITS - 1) else word)
     return words
+
+
+def capture_graph(
+    device: torch.device, pool: Any, forward: Callable[[], None]
+) -> torch.cuda.CUDAGraph:
+    """Runs ``forward`` once outside the capture (it compiles the kernels and warms cuBLAS),
+    then captures it into a graph that allocates from ``pool`` (``torch.cuda.graph_pool_handle()``,
+    whose type torch keeps private)."""
+    forward()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: other threads of the process (the draft client's) may touch CUDA meanwhile.
+    with (
+        torch.cuda.device(device),
+        torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"),
+    ):
+        forward()
+    return graph

@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +45,7 @@ from tandem.graph_buffers import (
     WORD_BITS,
     Bucket,
     Layout,
+    capture_graph,
     mask_words,
     page_table_elements,
     write_page_table,
@@ -228,16 +230,7 @@ class TargetGraphRunner:
             t0 = time.perf_counter()
             entry = self._entries[bucket]
             self._stage(entry, self._empty(bucket))
-            self._forward(entry)  # compiles the kernels and warms cuBLAS outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the draft client's threads may touch CUDA meanwhile.
-            with (
-                torch.cuda.device(self.device),
-                torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"),
-            ):
-                self._forward(entry)
-            entry.graph = graph
+            entry.graph = capture_graph(self.device, pool, partial(self._forward, entry))
             logger.info(
                 "CUDA graph %d/%d: %d requests x %d rows in %.2f s",
                 k,

@@ -40,12 +40,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
 import kernels
-from tandem.graph_buffers import Bucket
+from tandem.graph_buffers import Bucket, capture_graph
 from tandem.models import ForwardContext
 from tandem.spec.draft_buffers import (
     ExtendEntry,
@@ -308,15 +309,7 @@ class DraftGraphRunner:
             t0 = time.perf_counter()
             kind = "loop" if isinstance(entry, LoopEntry) else "extend"
             self.static.stage(entry, entry.empty)
-            self._forward(entry)  # compiles the kernels and warms cuBLAS outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with (
-                torch.cuda.device(self.device),
-                torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"),
-            ):
-                self._forward(entry)
-            entry.graph = graph
+            entry.graph = capture_graph(self.device, pool, partial(self._forward, entry))
             logger.info(
                 "draft CUDA graph %d/%d (%s, S=%d): %d requests in %.2f s",
                 k,
