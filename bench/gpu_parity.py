@@ -26,6 +26,7 @@ import grpc
 import torch
 
 from tandem.bench import hf
+from tandem.client import generate_one
 from tandem.config import EngineConfig
 from tandem.demo import free_port
 from tandem.embedded import family_dir
@@ -33,7 +34,7 @@ from tandem.engine import Engine
 from tandem.launch import build_stack
 from tandem.sampling import SamplingParams
 from tandem.train.prompts import read_prompts
-from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tandem.v1 import common_pb2, gateway_pb2_grpc
 
 
 def target_only(
@@ -47,33 +48,13 @@ def target_only(
 async def _through_gateway(
     port: int, prompts: list[list[int]], n: int
 ) -> tuple[list[list[int]], float]:
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-
-        async def one(ids: list[int]) -> tuple[list[int], common_pb2.Usage]:
-            request = gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(ids=ids),
-                sampling=common_pb2.SamplingParams(
-                    temperature=0.0, max_new_tokens=n, ignore_eos=True
-                ),
-                stream_options=gateway_pb2.StreamOptions(detokenize=False),
-            )
-            out: list[int] = []
-            usage = common_pb2.Usage()
-            async for response in stub.Generate(request):
-                which = response.WhichOneof("payload")
-                if which == "chunk":
-                    out += response.chunk.token_ids
-                elif which == "complete":
-                    usage = response.complete.usage
-                elif which == "error":
-                    raise RuntimeError(response.error.message)
-            return out, usage
-
-        results = await asyncio.gather(*(one(p) for p in prompts))
-    accepted = sum(u.accepted_tokens for _, u in results)
-    steps = sum(u.verify_steps for _, u in results)
-    return [r for r, _ in results], (accepted + steps) / max(steps, 1)
+        records = await asyncio.gather(*(generate_one(stub, p, sampling) for p in prompts))
+    accepted = sum(r["accepted_tokens"] for r in records)
+    steps = sum(r["verify_steps"] for r in records)
+    return [r["token_ids"] for r in records], (accepted + steps) / max(steps, 1)
 
 
 def through_services(

@@ -19,13 +19,23 @@ _FINISH = {
 
 
 async def generate_one(
-    stub: gateway_pb2_grpc.GatewayServiceStub, prompt: str, sampling: common_pb2.SamplingParams
+    stub: gateway_pb2_grpc.GatewayServiceStub,
+    prompt: str | list[int],
+    sampling: common_pb2.SamplingParams,
 ) -> dict[str, Any]:
-    """Streams one generation; returns what ``tandem generate --json`` prints."""
+    """Streams one generation; returns what ``tandem generate --json`` prints. A prompt of
+    token ids is sent as ids and not detokenized (``text`` is then empty)."""
     token_ids: list[int] = []
     text: list[str] = []
     record: dict[str, Any] = {"prompt": prompt}
-    request = gateway_pb2.GenerateRequest(text=prompt, sampling=sampling)
+    if isinstance(prompt, str):
+        request = gateway_pb2.GenerateRequest(text=prompt, sampling=sampling)
+    else:
+        request = gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=prompt),
+            sampling=sampling,
+            stream_options=gateway_pb2.StreamOptions(detokenize=False),
+        )
     async for response in stub.Generate(request):
         which = response.WhichOneof("payload")
         if which == "chunk":
