@@ -103,7 +103,7 @@ def verify(
     if width == 1 and greedy_only:  # plain decoding: the bonus is the choice at node 0
         accept_index = torch.zeros(bs, 1, dtype=torch.int64, device=device)
         accept_len = torch.ones(bs, dtype=torch.int64, device=device)
-        tokens = top_ids[:, None]  # never read: no draft node
+        tokens = top_ids[:, None]  # placeholder: with one node every path entry is the bonus
         bonus = top_ids
     else:
         accept_index, accept_len, bonus, tokens = _accept(
