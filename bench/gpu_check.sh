@@ -53,10 +53,15 @@ if want kernels; then
 fi
 if want profile; then
   # Target-only decode on the 8B shape: host time per phase, GPU kernels and busy time per step.
+  # Decoding ahead (the default) and synchronous steps (--no-overlap), side by side.
   for bs in 1 32; do
-    python3 bench/profile_decode.py --batch-size $bs --steps 48 --profile-steps 6 \
-      --json "$OUT/profile_bs$bs.json" > "$OUT/profile_bs$bs.txt" 2>&1
-    rc=$?; row "bench/profile_decode.py bs=$bs" $rc "$OUT/profile_bs$bs.txt"; rc_all=$((rc_all | rc))
+    for mode in overlap no-overlap; do
+      name="profile_bs${bs}_$mode"
+      python3 bench/profile_decode.py --batch-size $bs --steps 48 --profile-steps 6 --$mode \
+        --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+      rc=$?; row "bench/profile_decode.py bs=$bs --$mode" $rc "$OUT/$name.txt"
+      rc_all=$((rc_all | rc))
+    done
   done
 fi
 if want parity; then

@@ -81,6 +81,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode ahead (tandem/ahead.py): launch each step before reading the last",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -96,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=total,
         num_pages=args.batch_size * (-(-total // 16) + 1) + 8,
         cuda_graphs=on_cuda and not args.no_graphs,
+        overlap=args.overlap,
     )
     engine = Engine(config, model)
     vocab = model.config.vocab_size
@@ -109,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     timer = PhaseTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "prepare", "prepare")
+    timer.wrap(engine.runner, "prepare_ahead", "prepare (ahead)")
     timer.wrap(engine.runner, "forward", "forward (launch)")
     timer.wrap(engine, "_verify", "verify")
     timer.wrap(engine, "_commit", "commit")
@@ -145,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         "layers": model.config.num_layers,
         "batch_size": args.batch_size,
         "graphs": config.use_cuda_graphs,
+        "overlap": config.overlap,
+        "ahead_steps": engine.ahead_steps,
         "step_ms_median": wall_ms,
         "host_ms_per_phase": {k: statistics.median(v) / 1e6 for k, v in timer.ns.items()},
         "gpu_kernels_per_step": count / n,
@@ -154,7 +164,10 @@ def main(argv: list[str] | None = None) -> None:
             key=lambda t: -t[1],
         )[:25],
     }
-    print(f"device {result['device']}, bs {args.batch_size}, graphs {result['graphs']}")
+    print(
+        f"device {result['device']}, bs {args.batch_size}, graphs {result['graphs']}, "
+        f"overlap {config.overlap} ({engine.ahead_steps} steps decoded ahead)"
+    )
     print(f"step (wall, median)     {wall_ms:8.3f} ms")
     for phase, ms in result["host_ms_per_phase"].items():
         print(f"  host {phase:18s} {ms:8.3f} ms")

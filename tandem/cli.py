@@ -111,6 +111,12 @@ def generate(
             "K=0 decoding."
         ),
     ] = "fixed",
+    overlap: Annotated[
+        bool,
+        typer.Option(
+            help="Plain greedy decode steps launch the next step before the last is read."
+        ),
+    ] = True,
     draft_kind: Annotated[
         str | None,
         typer.Option(help="eagle3, eagle, mtp, model or ngram (ngram needs no --draft)."),
@@ -191,6 +197,7 @@ def generate(
             num_pages=num_pages,
             cuda_graphs=cuda_graphs,
             spec_policy=spec_policy,
+            overlap=overlap,
         )
         drafter = spec = None
         if draft is not None or draft_kind is not None:

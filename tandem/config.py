@@ -36,6 +36,9 @@ class EngineConfig:
     # only while it commits more tokens per second than K=0 decoding (tandem/spec/policy.py);
     # "k0": never (the draft stays attached and in step; measures the K=0 path).
     spec_policy: str = "fixed"
+    # Plain greedy decode steps (target-only, K=0) launch the next step before reading the
+    # last one (tandem/ahead.py); False runs every step synchronously.
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

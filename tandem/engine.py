@@ -23,13 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem import ahead
 from tandem.config import EngineConfig
 from tandem.errors import InvalidRequest
 from tandem.graphs import graph_widths
 from tandem.kv import KVCache, KVCacheSpec
 from tandem.models import DecoderLM, load_model
 from tandem.request import FinishReason, Request, RequestOutput
-from tandem.runner import ModelInputs, ModelOutputs, ModelRunner
+from tandem.runner import ModelInputs, ModelOutputs, ModelRunner, device_ints
 from tandem.sampling import SamplingParams, make_generator
 from tandem.scheduler import ScheduledBatch, Scheduler
 from tandem.spec.base import Drafter
@@ -164,6 +165,9 @@ class Engine:
         self.last_stats = SpecStats()  # the last step's verifications, all requests together
         self.last_timing = StepTiming()
         self.overlapped_steps = 0  # steps whose forward ran while another lane was drafted
+        self.in_flight: ahead.InFlight | None = None  # a plain decode step not read yet
+        self.ahead_steps = 0  # steps launched before the last one was read
+        self._ahead_wait_ns = 0  # the last read's wait for the device
 
     def _num_pages(self, spec: KVCacheSpec) -> int:
         c = self.config
@@ -252,14 +256,20 @@ class Engine:
             exchange.wait_ns = 0
         lanes = self.scheduler.lanes_with_work()
         if not lanes:
-            return []
-        lane = min(lanes, key=lambda n: (n - self.last_lane - 1) % MAX_LANES)
-        self.last_lane = lane
-        self.last_stats = SpecStats()
+            return self._drain_ahead(started) if self.in_flight is not None else []
         speculate = exchange is not None
         num_running = max(1, len(self.scheduler.running))  # the policy's batch size
         if self.policy is not None:
             speculate = self.policy.speculate(num_running)
+        if not speculate and self.config.overlap:
+            reqs = self._ahead_requests()
+            if reqs is not None:
+                return self._step_ahead(reqs, num_running, started)
+        if self.in_flight is not None:
+            return self._drain_ahead(started)  # the ordinary step runs at the next call
+        lane = min(lanes, key=lambda n: (n - self.last_lane - 1) % MAX_LANES)
+        self.last_lane = lane
+        self.last_stats = SpecStats()
         step_lane: int | None = lane
         can_send = True
         if exchange is not None and speculate:
@@ -306,6 +316,122 @@ class Engine:
         if self.policy is not None and all(decoding):
             committed = sum(len(out.new_token_ids) for out in results)
             self.policy.record(num_running, committed, self.last_timing.total_ns)
+        return results
+
+    # -- decoding ahead (tandem/ahead.py) ------------------------------------------------
+
+    def _ahead_requests(self) -> list[Request] | None:
+        """The requests of the next step if it may decode ahead (their next KV slot reserved),
+        else None: every running request decodes greedily without a tree, nobody waits to be
+        admitted, and a step in flight holds every running request."""
+        sched, flight = self.scheduler, self.in_flight
+        running = sched.running
+        if sched.waiting and len(running) < self.config.max_num_seqs:
+            return None
+        if not running or not all(ahead.eligible(req) for req in running):
+            return None
+        if flight is None:
+            reqs = list(running) if all(req.decoding for req in running) else []
+        else:
+            launched = set(flight.batch.requests)
+            if any(req not in launched for req in running):
+                return None
+            reqs = [
+                req
+                for req in flight.batch.requests
+                if not req.finished and not ahead.finishes_by_length(req, self.max_model_len)
+            ]
+        if not reqs or len(reqs) > self.config.max_num_batched_tokens:
+            return None
+        alloc = self.kv.allocator
+        for req in reqs:  # never preempts: a full pool takes the ordinary step
+            need = req.num_computed + 1 - alloc.num_tokens(req.request_id)
+            if need > 0 and not alloc.can_extend(req.request_id, need):
+                return None
+            if need > 0:
+                alloc.extend(req.request_id, need)
+        return reqs
+
+    def _step_ahead(
+        self, reqs: list[Request], num_running: int, started: int
+    ) -> list[RequestOutput]:
+        """Launches a plain decode step of ``reqs``, then reads the one in flight before it."""
+        exchange, flight = self.exchange, self.in_flight
+        if exchange is not None:
+            exchange.skip(self.scheduler.running, MAX_LANES)  # answers drafted meanwhile: stale
+        batch = ScheduledBatch(requests=reqs, num_new_tokens=[1] * len(reqs))
+        layers = self.drafter.target_layer_ids if self.drafter is not None else ()
+        if flight is None:
+            inputs = self.runner.prepare(batch)  # the first step's tokens are on the host
+        else:
+            ids = flight.ids
+            if len(reqs) < len(flight.batch):
+                kept = set(reqs)
+                index = [i for i, req in enumerate(flight.batch.requests) if req in kept]
+                ids = ids[device_ints(index, ids.device)]
+            inputs = self.runner.prepare_ahead(batch, ids)
+        forward_started = time.perf_counter_ns()
+        outputs = self.runner.forward(inputs, layers)
+        for req in reqs:
+            req.num_computed += 1
+        self.in_flight = ahead.launch(batch, inputs, outputs)
+        self.ahead_steps += 1
+        forward_ns = time.perf_counter_ns() - forward_started
+        self.last_stats = SpecStats()  # what the read below commits, if any
+        results = self._read_ahead(flight) if flight is not None else []
+        self.last_speculated = False
+        self.last_timing = StepTiming(
+            total_ns=time.perf_counter_ns() - started,
+            forward_ns=forward_ns + self._ahead_wait_ns,
+        )
+        if self.policy is not None and results:
+            committed = sum(len(out.new_token_ids) for out in results)
+            self.policy.record(num_running, committed, self.last_timing.total_ns)
+        return results
+
+    def _drain_ahead(self, started: int) -> list[RequestOutput]:
+        """Reads the step in flight and launches nothing."""
+        flight, self.in_flight = self.in_flight, None
+        assert flight is not None
+        results = self._read_ahead(flight)
+        self.last_timing = StepTiming(
+            total_ns=time.perf_counter_ns() - started, forward_ns=self._ahead_wait_ns
+        )
+        return results
+
+    def _read_ahead(self, flight: ahead.InFlight) -> list[RequestOutput]:
+        """Commits a step in flight: its tokens, the statistics, and (K=0 with a draft) its
+        outcomes for the exchange to hold."""
+        waited = time.perf_counter_ns()
+        verified = flight.read()
+        self._ahead_wait_ns = time.perf_counter_ns() - waited
+        live = [i for i, v in enumerate(verified) if v is not None]
+        batch = ScheduledBatch(
+            requests=[flight.batch.requests[i] for i in live], num_new_tokens=[1] * len(live)
+        )
+        self.last_stats = SpecStats()
+        for req in batch.requests:
+            for stats in (req.stats, self.last_stats):
+                stats.record(0, 0)  # a decode step without a draft
+        done = [verified[i] for i in live]
+        results = self.scheduler.postprocess(
+            batch,
+            [v.new_tokens for v in done],  # type: ignore[union-attr]
+            [v.logprobs for v in done],  # type: ignore[union-attr]
+        )
+        if self.exchange is not None:
+            lane = self.exchange.free_lane(MAX_LANES)
+            self.last_lane = lane if lane is not None else 0
+            self.exchange.submit(
+                self.last_lane,
+                flight.batch,
+                flight.inputs,
+                flight.outputs,
+                verified,
+                self._take_released(),
+                draft=False,
+                send=lane is not None,
+            )
         return results
 
     def _verify(

@@ -73,6 +73,9 @@ class GraphBatch:
     prefix_lens: list[int]  # [batch_size]
     pages: list[list[int]]  # per real request, its pages in logical order
     rows: list[int]  # [num_rows] the real rows, in the flat order of the eager batch
+    # One-token decodes whose tokens are still on the device ([requests] int64, written over
+    # input_ids after staging; ``tandem.ahead``), or None.
+    device_ids: torch.Tensor | None = None
 
 
 def _layout(bucket: Bucket, num_words: int, max_pages: int) -> Layout:
@@ -273,6 +276,9 @@ class TargetGraphRunner:
             self.capture(layers)
         entry = self._entries[batch.bucket]
         self._stage(entry, batch)
+        if batch.device_ids is not None:
+            assert batch.bucket.width == 1, "device ids are one token per request"
+            entry.input_ids[: len(batch.device_ids)].copy_(batch.device_ids)
         if entry.graph is not None:
             entry.graph.replay()
         else:

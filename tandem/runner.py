@@ -100,6 +100,40 @@ class ModelRunner:
                 return ModelInputs(trees=trees, row_starts=starts, token_starts=starts, graph=graph)
         return self._prepare_eager(batch, trees)
 
+    def prepare_ahead(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> ModelInputs:
+        """A step of one-token decodes whose tokens are still on the device (``input_ids``,
+        [requests] int64: the last step's choices; ``tandem.ahead``). Request ``i`` writes KV
+        index and position ``num_computed``, reserved already; its token is never read here."""
+        reqs = batch.requests
+        n = len(reqs)
+        trees: list[Tree | None] = [Tree(tokens=(0,), parents=(-1,)) for _ in reqs]  # ids: device
+        starts = list(range(n))
+        req_ids = [req.request_id for req in reqs]
+        positions = [req.num_computed for req in reqs]
+        if self.graphs is not None:
+            graph = self.graphs.plan(req_ids, positions, trees)  # type: ignore[arg-type]
+            if graph is not None:
+                graph.device_ids = input_ids
+                return ModelInputs(trees=trees, row_starts=starts, token_starts=starts, graph=graph)
+        ends = [p + 1 for p in positions]
+        meta = AttentionMetadata.build(
+            page_size=self.kv.allocator.page_size,
+            query_lens=[1] * n,
+            seq_lens=ends,
+            page_table=self.kv.allocator.page_table(req_ids, device=self.device),
+            slot_mapping=self.kv.slot_mapping_tensor(req_ids, positions, ends),
+            masks=[None] * n,
+        )
+        return ModelInputs(
+            input_ids=input_ids,
+            positions=device_ints(positions, self.device),
+            meta=meta,
+            logits_indices=device_ints(starts, self.device),
+            trees=trees,
+            row_starts=starts,
+            token_starts=starts,
+        )
+
     def _prepare_eager(self, batch: ScheduledBatch, trees: list[Tree | None]) -> ModelInputs:
         alloc = self.kv.allocator
         ids: list[int] = []
@@ -137,10 +171,10 @@ class ModelRunner:
             masks=masks,
         )
         return ModelInputs(
-            input_ids=_tensor(ids, self.device),
-            positions=_tensor(positions, self.device),
+            input_ids=device_ints(ids, self.device),
+            positions=device_ints(positions, self.device),
             meta=meta,
-            logits_indices=_tensor(logits_indices, self.device),
+            logits_indices=device_ints(logits_indices, self.device),
             trees=trees,
             row_starts=row_starts,
             token_starts=token_starts,
@@ -161,5 +195,10 @@ class ModelRunner:
         return ModelOutputs(logits=logits, features=features)
 
 
-def _tensor(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+def device_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """``values`` as int64 on ``device``, copied from pinned memory on CUDA: a copy from
+    pageable memory waits for the stream, so for the step decoding ahead (tandem/ahead.py)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="fixed: speculate every step; adaptive: per batch size, speculate only while it "
         "commits more tokens per second than K=0 decoding (default: fixed)",
     )
+    p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=env("TANDEM_TARGET_OVERLAP", True),
+        help="plain greedy decode steps (no draft, or K=0) launch the next step before the "
+        "last one is read (default: on)",
+    )
     p.add_argument("--reflection", action="store_true")
     p.add_argument("--grace", type=float, default=float(env("TANDEM_TARGET_GRACE", "10")))
     p.add_argument("--log-level", default=env("TANDEM_LOG_LEVEL", "INFO"))
@@ -128,6 +135,7 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
             cuda_graphs=a.cuda_graphs,
             simulate_accept_length=accept_length,
             spec_policy=a.spec_policy,
+            overlap=a.overlap,
         ),
         host=a.host,
         port=a.port,

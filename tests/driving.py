@@ -66,14 +66,16 @@ class Seen:
     bucket: Bucket
     batch_size: int
     tree_sizes: list[int]
+    ahead: bool = False  # decoding ahead: its tokens came from the last step on the device
 
 
 @dataclass
 class Shadow:
     """Wraps ``engine.runner``: every step that runs in a bucket runs again through the eager
     path on the KV as it was before, and both must agree within ``atol``; the bucket's KV writes
-    are kept. With ``twin`` (a capture-free runner over the same model and KV), a graph replay
-    must also match the same step run eagerly on static buffers."""
+    are kept (steps decoding ahead too: their eager twin takes the same device ids). With
+    ``twin`` (a capture-free runner over the same model and KV), a graph replay must also match
+    the same step run eagerly on static buffers."""
 
     engine: Engine
     atol: float
@@ -84,11 +86,25 @@ class Shadow:
 
     def __post_init__(self) -> None:
         runner = self.engine.runner
-        prepare, forward = runner.prepare, runner.forward
+        prepare, prepare_ahead, forward = runner.prepare, runner.prepare_ahead, runner.forward
 
         def shadow_prepare(batch: ScheduledBatch) -> ModelInputs:
             self._batch = batch
             return prepare(batch)
+
+        def shadow_prepare_ahead(batch: ScheduledBatch, input_ids: torch.Tensor) -> ModelInputs:
+            self._batch = batch
+            return prepare_ahead(batch, input_ids)
+
+        def eager_inputs(inputs: ModelInputs) -> ModelInputs:
+            assert self._batch is not None and inputs.graph is not None
+            if inputs.graph.device_ids is None:
+                return runner._prepare_eager(self._batch, inputs.trees)
+            graphs, runner.graphs = runner.graphs, None  # a step decoding ahead, run eagerly
+            try:
+                return prepare_ahead(self._batch, inputs.graph.device_ids)
+            finally:
+                runner.graphs = graphs
 
         def shadow_forward(inputs: ModelInputs, layers: Sequence[int] = ()) -> ModelOutputs:
             assert self._batch is not None
@@ -106,16 +122,18 @@ class Shadow:
                 logits, features = self.twin.run(inputs.graph, layers)
                 _close(got, ModelOutputs(logits=logits, features=features), caches, after, 1e-6)
             _restore(caches, before)
-            eager = runner._prepare_eager(self._batch, inputs.trees)
+            eager = eager_inputs(inputs)
             _close(got, forward(eager, layers), caches, after, self.atol)
             _restore(caches, after)
             null_page = range(kv.spec.page_size)  # padding rows never write
             assert all(c[null_page].eq(0).all() for c in caches), "a padding row wrote KV"
             sizes = [len(t) for t in inputs.trees if t is not None]
-            self.seen.append(Seen(inputs.graph.bucket, len(sizes), sizes))
+            ahead = inputs.graph.device_ids is not None
+            self.seen.append(Seen(inputs.graph.bucket, len(sizes), sizes, ahead))
             return got
 
         runner.prepare = shadow_prepare  # type: ignore[method-assign]
+        runner.prepare_ahead = shadow_prepare_ahead  # type: ignore[method-assign]
         runner.forward = shadow_forward  # type: ignore[method-assign]
 
 

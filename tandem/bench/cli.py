@@ -48,7 +48,11 @@ def bench(
         Path, typer.Option(help="Where presets are written (reused when present).")
     ] = Path("out/bench/models"),
     modes: Annotated[
-        str, typer.Option(help="Comma-separated: target-only, spec, services, hf.")
+        str,
+        typer.Option(
+            help="Comma-separated: target-only, target-sync (target-only without decoding "
+            "ahead), spec, k0, services, hf."
+        ),
     ] = "target-only,spec,services,hf",
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8,32,64",
     prompt_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 128,

@@ -80,9 +80,11 @@ def build_engine(
     model: DecoderLM | None = None,
     draft_kind: str = "eagle3",
     spec_policy: str = "fixed",
+    overlap: bool = True,
 ) -> Engine:
     """An engine over ``model`` (loaded from ``target`` when None), speculating with
-    ``spec``; its forward synchronised on CUDA."""
+    ``spec``. Without ``overlap`` its forward is synchronised on CUDA (the step's split into
+    verify and host time is then exact); decoding ahead, a forward only launches."""
     config = EngineConfig(
         model=target,
         dtype=dtype,
@@ -92,6 +94,7 @@ def build_engine(
         max_num_seqs=max_batch,
         simulate_accept_length=simulate_accept_length if spec is not None else None,
         spec_policy=spec_policy if spec is not None else "fixed",
+        overlap=overlap,
     )
     drafter = None
     if spec is not None:
@@ -106,7 +109,8 @@ def build_engine(
         )
         drafter = build_drafter(draft_config, ModelConfig.from_pretrained(target).num_layers)
     engine = Engine(config, model, drafter=drafter, spec=spec)
-    synced_forward(engine.runner)
+    if not overlap:
+        synced_forward(engine.runner)
     return engine
 
 

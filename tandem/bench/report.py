@@ -9,7 +9,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODES = ("target-only", "spec", "k0", "services", "services-control", "hf-generate", "hf-assisted")
+MODES = (
+    "target-only",
+    "target-sync",
+    "spec",
+    "k0",
+    "services",
+    "services-control",
+    "hf-generate",
+    "hf-assisted",
+)
 
 
 @dataclass(kw_only=True)
@@ -45,7 +54,8 @@ class Row:
         self.t_verify_min_ms = t_verify_min_s * 1e3
         if self.verify_ms:
             self.verify_efficiency = self.t_verify_min_ms / self.verify_ms
-        a = self.accept_length or (1.0 if self.mode in ("target-only", "hf-generate") else None)
+        plain = ("target-only", "target-sync", "hf-generate")
+        a = self.accept_length or (1.0 if self.mode in plain else None)
         if a and self.tpot_p50_ms:
             self.sol_fraction = (1.0 / self.tpot_p50_ms) / (a / self.t_verify_min_ms)
         return self

@@ -25,7 +25,7 @@ from tandem.spec.types import SpecConfig
 
 logger = logging.getLogger(__name__)
 
-ALL_MODES = ("target-only", "spec", "k0", "services", "hf")
+ALL_MODES = ("target-only", "target-sync", "spec", "k0", "services", "hf")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +104,9 @@ def run_bench(
     }
     rows: list[Row] = []
     speculative = config.draft is not None
-    if "target-only" in config.modes or ({"spec", "k0"} & set(config.modes) and speculative):
+    if {"target-only", "target-sync"} & set(config.modes) or (
+        {"spec", "k0"} & set(config.modes) and speculative
+    ):
         rows += _in_process(config, say)
     if "services" in config.modes and speculative:
         rows += _services(config, model_config, say)
@@ -158,14 +160,16 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
     say(f"loading {config.target} in process")
     model = load_model(config.target, dtype=DTYPES[config.dtype], device=config.device)
     rows = []
-    plans: list[tuple[str, SpecConfig | None, str]] = []
+    plans: list[tuple[str, SpecConfig | None, str, bool]] = []  # mode, spec, policy, overlap
     if "target-only" in config.modes:
-        plans.append(("target-only", None, "fixed"))
+        plans.append(("target-only", None, "fixed", True))
+    if "target-sync" in config.modes:  # every step read before the next launch
+        plans.append(("target-sync", None, "fixed", False))
     if "spec" in config.modes and config.draft is not None:
-        plans.append(("spec", config.spec, config.spec_policy))
+        plans.append(("spec", config.spec, config.spec_policy, True))
     if "k0" in config.modes and config.draft is not None:
-        plans.append(("k0", config.spec, "k0"))  # the draft attached, every step K=0
-    for mode, spec, policy in plans:
+        plans.append(("k0", config.spec, "k0", True))  # the draft attached, every step K=0
+    for mode, spec, policy, overlap in plans:
         engine = inprocess.build_engine(
             config.target,
             config.draft,
@@ -178,6 +182,7 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
             simulate_accept_length=config.simulate_accept_length,
             model=model,
             spec_policy=policy,
+            overlap=overlap,
         )
         for bs in config.batch_sizes:
             say(f"{mode} bs={bs}")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.request import Request
-from tandem.runner import ModelInputs, ModelOutputs
+from tandem.runner import ModelInputs, ModelOutputs, device_ints
 from tandem.scheduler import ScheduledBatch
 from tandem.spec.base import Drafter
 from tandem.spec.types import DraftAdmit, SpecConfig, VerifyOutcome
@@ -83,6 +83,10 @@ class DraftExchange:
         for req in running:
             req.tree = None
             req.draft_seq += 1
+        return self.free_lane(num_lanes)
+
+    def free_lane(self, num_lanes: int) -> int | None:
+        """A lane with no answer outstanding (a submission may go out on it), or None."""
         return next((n for n in range(num_lanes) if n not in self.awaiting), None)
 
     def flush(self, released: list[str], lane: int) -> None:
@@ -145,7 +149,7 @@ class DraftExchange:
             tracked.append((req, v, [start + n for n in v.accept_nodes]))
         # One gather for the whole step; each request's features are a view of it.
         flat = [row for _, _, rows in tracked for row in rows]
-        gathered = None if features is None or not flat else features[flat]  # [rows, F]
+        gathered = None if features is None or not flat else _gather_rows(features, flat)
         offset, sent_bytes = 0, 0
         for req, v, rows in tracked:
             held = self.held.pop(req.request_id, None) or _Held()
@@ -247,6 +251,15 @@ class DraftExchange:
             temperature=req.params.temperature,
             trace_context=req.trace_context,
         )
+
+
+def _gather_rows(features: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``features[rows]`` ([len(rows), F]) without a host synchronisation: a run of rows is a
+    view (plain decoding: every row in order), other rows go through an index in pinned memory
+    (an index from pageable memory would wait for the step decoding ahead, tandem/ahead.py)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return features[rows[0] : rows[0] + len(rows)]
+    return features[device_ints(rows, features.device)]
 
 
 @dataclass

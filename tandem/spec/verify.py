@@ -144,6 +144,14 @@ def verify(
     return out
 
 
+def decode_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain greedy decoding without penalties, on the device: each row's choice and its
+    log-probability ([rows] int64, [rows] float32), exactly what ``verify`` commits for a tree
+    of one node (``tandem.ahead`` reads them a step later)."""
+    ids, logprobs, _ = _ops(logits.device).top1(logits.float())
+    return ids, logprobs
+
+
 def _accept(
     processed: torch.Tensor,  # [sum(N), V] float32
     top_ids: torch.Tensor,  # [sum(N)] the greedy choice per node

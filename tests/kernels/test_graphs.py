@@ -114,6 +114,8 @@ def test_static_buckets_match_eager_steps(
     assert shadow.missed == 0 and len(seen) >= 5, "every decode/verify step fits a bucket"
     assert any(s.batch_size < s.bucket.batch_size for s in seen), "no padded request"
     assert len({s.bucket.batch_size for s in seen}) >= 3, "batch sizes did not change"
+    # Plain decoding between arrivals decodes ahead (tandem/ahead.py), in its buckets too.
+    assert any(s.ahead for s in seen) == (SPECS[kind] is None)
     if SPECS[kind] is not None:
         n = engine.spec.tree_size  # type: ignore[union-attr]
         assert n in {s.bucket.width for s in seen} <= {1, n}

@@ -95,11 +95,27 @@ def test_graph_steps_equal_eager_steps(
     assert sum(graphs.replays.values()) == len(shadow.seen) > steps // 2
     assert len({b.batch_size for b in graphs.replays}) >= 4, graphs.replays
     assert any(s.batch_size < s.bucket.batch_size for s in shadow.seen)
+    # Plain decoding decodes ahead (tandem/ahead.py): replays fed by the last step's choices.
+    assert any(s.ahead for s in shadow.seen) == (SPECS[name] is None)
     if SPECS[name] is not None:
         eager = cuda_engine(ckpts, name, page_size, graphs=False)
         assert drive(eager, PLAN)[0] == target_only
         n = engine.spec.tree_size  # type: ignore[union-attr]
         assert any(b.width == n for b in graphs.replays)
+
+
+def test_decoding_ahead_equals_synchronous_steps(
+    ckpts: Checkpoints, target_only: list[list[int]]
+) -> None:
+    """Graph replays launched before the last step is read (no shadow: nothing syncs between
+    them) give the outputs of synchronous eager decoding."""
+    engine = cuda_engine(ckpts, "plain", 16, graphs=True)
+    outputs, _ = drive(engine, PLAN)
+    assert outputs == target_only
+    assert engine.ahead_steps > 100, engine.ahead_steps
+    config = EngineConfig(model=ckpts.target, device="cuda", num_pages=512, overlap=False)
+    sync = Engine(config)
+    assert drive(sync, PLAN)[0] == target_only and sync.ahead_steps == 0
 
 
 def test_capture_reports_and_follows_new_layers(
