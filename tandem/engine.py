@@ -370,6 +370,7 @@ class Engine:
                 index = [i for i, req in enumerate(flight.batch.requests) if req in kept]
                 ids = ids[device_ints(index, ids.device)]
             inputs = self.runner.prepare_ahead(batch, ids)
+        inputs.ahead = True
         forward_started = time.perf_counter_ns()
         outputs = self.runner.forward(inputs, layers)
         for req in reqs:

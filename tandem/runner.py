@@ -37,6 +37,7 @@ class ModelInputs:
     meta: AttentionMetadata | None = None
     logits_indices: torch.Tensor | None = None  # [num_rows] int64, flat rows with logits
     graph: GraphBatch | None = None
+    ahead: bool = False  # a step decoding ahead (tandem/ahead.py): nobody waits for its forward
 
 
 @dataclass

@@ -22,7 +22,7 @@ from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.models import DecoderLM
 from tandem.models.config import ModelConfig
-from tandem.runner import ModelRunner
+from tandem.runner import ModelInputs, ModelRunner
 from tandem.sampling import SamplingParams
 from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig, SpecStats
@@ -52,15 +52,17 @@ def pages_needed(max_batch: int, w: Workload, tree_size: int, page_size: int) ->
 
 
 def synced_forward(runner: ModelRunner) -> None:
-    """Makes ``runner.forward`` wait for the device before it returns (CUDA only)."""
+    """Makes ``runner.forward`` wait for the device before it returns (CUDA only), except in
+    steps decoding ahead (``tandem.ahead``), which nothing may wait for."""
     if not str(runner.device).startswith("cuda"):
         return
     forward = runner.forward
 
     @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        out = forward(*args, **kwargs)
-        torch.cuda.synchronize(runner.device)
+    def run(inputs: ModelInputs, *args: Any, **kwargs: Any) -> Any:
+        out = forward(inputs, *args, **kwargs)
+        if not inputs.ahead:
+            torch.cuda.synchronize(runner.device)
         return out
 
     runner.forward = run  # type: ignore[method-assign]
@@ -83,8 +85,7 @@ def build_engine(
     overlap: bool = True,
 ) -> Engine:
     """An engine over ``model`` (loaded from ``target`` when None), speculating with
-    ``spec``. Without ``overlap`` its forward is synchronised on CUDA (the step's split into
-    verify and host time is then exact); decoding ahead, a forward only launches."""
+    ``spec``; its forward synchronised on CUDA but in steps decoding ahead (``overlap``)."""
     config = EngineConfig(
         model=target,
         dtype=dtype,
@@ -109,8 +110,7 @@ def build_engine(
         )
         drafter = build_drafter(draft_config, ModelConfig.from_pretrained(target).num_layers)
     engine = Engine(config, model, drafter=drafter, spec=spec)
-    if not overlap:
-        synced_forward(engine.runner)
+    synced_forward(engine.runner)
     return engine
 
 

@@ -232,7 +232,13 @@ def _services(config: BenchConfig, mc: ModelConfig, say: Callable[[str], None]) 
                 say(_done(rows[-1]))
                 rows.append(
                     services.through_control(
-                        target, mc.vocab_size, bs, config.workload, config.spec_steps, probe
+                        target,
+                        mc.vocab_size,
+                        bs,
+                        config.workload,
+                        config.spec_steps,
+                        probe,
+                        steps_file=log_dir / f"steps-bs{bs}.jsonl",
                     )
                 )
                 say(_done(rows[-1]))

@@ -31,6 +31,7 @@ from pathlib import Path
 from unittest import mock
 
 import grpc
+from google.protobuf import json_format
 
 from tandem import profiling
 from tandem.bench import idle
@@ -254,8 +255,11 @@ def through_control(
     w: Workload,
     positions: int,
     probe: IdleProbe | None = None,
+    *,
+    steps_file: Path | None = None,
 ) -> Row:
-    """The requests admitted on the target's Control stream; per-step StepStats."""
+    """The requests admitted on the target's Control stream; per-step StepStats (with
+    ``steps_file``, also written there, one JSON object per measured step)."""
 
     async def main() -> Row:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -283,6 +287,9 @@ def through_control(
             probe.collect(out_dir, row)
         row.tokens_per_s = row.output_tokens / row.duration_s
         _finish_control(row, log, positions)
+        if steps_file is not None:
+            lines = (json_format.MessageToJson(s, indent=None) for s in log.steps)
+            steps_file.write_text("".join(f"{line}\n" for line in lines))
         return row
 
     return asyncio.run(main())

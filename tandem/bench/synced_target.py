@@ -1,7 +1,7 @@
 """``python -m tandem.bench.synced_target``: the target service for benchmarks, its forward
 followed by a device synchronisation so that StepStats.verify_ns is the forward's GPU time
-(``tandem.bench.inprocess.synced_forward``; a no-op on CPU). Flags as ``python -m
-target_service``."""
+(``tandem.bench.inprocess.synced_forward``; a no-op on CPU), except in steps decoding ahead
+(``tandem.ahead``), which nothing may wait for. Flags as ``python -m target_service``."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from typing import Any
 import torch
 
 import target_service.__main__ as target_main
-from tandem.runner import ModelRunner
+from tandem.runner import ModelInputs, ModelRunner
 
 
 def _synced(forward: Any) -> Any:
     @functools.wraps(forward)
-    def run(self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
-        out = forward(self, *args, **kwargs)
-        if str(self.device).startswith("cuda"):
+    def run(self: ModelRunner, inputs: ModelInputs, *args: Any, **kwargs: Any) -> Any:
+        out = forward(self, inputs, *args, **kwargs)
+        if str(self.device).startswith("cuda") and not inputs.ahead:
             torch.cuda.synchronize(self.device)
         return out
 

@@ -8,7 +8,10 @@ speculation (the deployment's K, S, N) and without (K=0: plain decoding, the tar
 path), and runs the better one. After ``first_explore_steps`` steps it measures the other mode
 again for one window, then after twice as many, up to every ``explore_steps`` steps: a
 bucket's first windows may carry cold-start costs, and acceptance drifts with the traffic. A
-bucket starts by measuring both.
+bucket starts by measuring both. A window of the slower mode costs the time it lost against
+the better one; after the first re-check, the next window waits until that loss is at most
+``explore_budget`` of the time spent in the better mode since (speculation that loses badly is
+rarely measured again).
 
 The first ``settle_steps`` steps after a switch are not measured: the first speculative step
 after K=0 has no trees yet (the draft catches up on the tokens committed meanwhile) and the
@@ -43,6 +46,8 @@ class PolicyConfig:
     first_explore_steps: int = 32
     # Speculation must beat plain decoding by this factor to be chosen (hysteresis).
     margin: float = 1.0
+    # At most this share of the time goes to measuring the slower mode again.
+    explore_budget: float = 0.03
 
     def __post_init__(self) -> None:
         if min(self.window_steps, self.explore_steps, self.first_explore_steps) < 1:
@@ -51,6 +56,8 @@ class PolicyConfig:
             raise ValueError("settle_steps: must be >= 0")
         if self.margin <= 0:
             raise ValueError("margin: must be > 0")
+        if not 0 < self.explore_budget <= 1:
+            raise ValueError("explore_budget: must be in (0, 1]")
 
 
 @dataclass
@@ -63,7 +70,8 @@ class _Bucket:
     steps: int = 0  # steps in the current phase (settle + window, or exploit)
     decisions: int = 0  # exploit phases so far (each one doubles the next phase's length)
     tokens: int = 0  # measured so far in this window
-    ns: int = 0
+    ns: int = 0  # the window's time, or (exploiting) the time since the decision
+    debt_ns: float = 0.0  # what the last window of the slower mode lost against the better
 
 
 class SpecPolicy:
@@ -83,9 +91,12 @@ class SpecPolicy:
         c, b = self.config, self._bucket(batch_size)
         b.steps += 1
         if not b.measuring:
+            b.ns += step_ns
             interval = min(c.explore_steps, c.first_explore_steps << max(0, b.decisions - 1))
-            if b.steps >= interval:  # measure the other mode again
-                self._switch(b, _other(b.mode), measuring=True)
+            # The first decision is checked again at once (its windows may have been cold).
+            paid = b.decisions <= 1 or b.ns * c.explore_budget >= b.debt_ns
+            if b.steps >= interval and paid:
+                self._switch(b, _other(b.mode), measuring=True)  # measure the other mode again
             return
         if b.steps <= c.settle_steps:
             return
@@ -100,6 +111,8 @@ class SpecPolicy:
             return
         spec, plain = b.rates[Mode.SPECULATE], b.rates[Mode.PLAIN]
         best = Mode.SPECULATE if spec > plain * c.margin else Mode.PLAIN
+        # This window's tokens in the better mode would have taken tokens / rate.
+        b.debt_ns = max(0.0, b.ns - b.tokens / b.rates[best] * 1e9) if best is not b.mode else 0.0
         b.decisions += 1
         self._switch(b, best, measuring=False)
 

@@ -4,6 +4,7 @@ it in one extend), so switching at any step never changes greedy output."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,29 @@ def test_a_decision_from_a_cold_window_is_checked_again_soon() -> None:
     assert modes[5:18] == [False] * 13  # plain measured, then run for 8 steps
     assert all(modes[18:39])  # speculation measured again (warm now), wins, runs 16 steps
     assert not any(modes[39:44]) and all(modes[44:])  # one plain window, then 32 steps
+
+
+@pytest.mark.parametrize("budget", [0.03, 1.0])
+def test_a_badly_losing_mode_is_rarely_measured_again(budget: float) -> None:
+    """At bs 64 speculation commits 141 tokens in 30 ms against 64 in 10 ms: each window of it
+    loses 8 ms a step. After the first re-check, the next waits until that loss is within the
+    explore budget of the time spent decoding plainly since; without a budget (1.0) only the
+    step schedule (32, 64, 128, ... steps) spaces them."""
+    policy = SpecPolicy(PolicyConfig(explore_budget=budget, explore_steps=10_000))
+    total = lost = 0.0
+    modes = []
+    for _ in range(1500):
+        on = policy.speculate(64)
+        modes.append(on)
+        tokens, ns = (141, 30_000_000) if on else (64, 10_000_000)
+        policy.record(64, tokens, ns)
+        total += ns
+        lost += ns - tokens / 6400 * 1e9 if on else 0.0
+    starts = [i for i in range(1, len(modes)) if modes[i] and not modes[i - 1]]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(starts) >= 4 and lost / total < 0.03
+    # A window (settle + 8 steps) loses 72 ms: 0.03 of 2.4 s, >= 213 plain steps after it.
+    if budget < 1.0:
+        assert min(gaps[1:]) >= 213, gaps
+    else:
+        assert min(gaps[1:]) < 213, gaps
