@@ -44,8 +44,10 @@ class PolicyConfig:
     # The first decisions are checked again sooner (the interval doubles up to explore_steps):
     # a bucket's first windows can carry cold-start costs (a draft's first shapes, say).
     first_explore_steps: int = 32
-    # Speculation must beat plain decoding by this factor to be chosen (hysteresis).
-    margin: float = 1.0
+    # Speculation must beat plain decoding by this factor to be chosen: the windows leave out
+    # what a switch costs (the draft's catch-up after K=0, the step decoding ahead that is
+    # read before a speculative step), so near-equal rates stay with plain decoding.
+    margin: float = 1.1
     # At most this share of the time goes to measuring the slower mode again.
     explore_budget: float = 0.03
 
