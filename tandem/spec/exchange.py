@@ -164,6 +164,9 @@ class DraftExchange:
                 sent_bytes += held.nbytes
             else:
                 self.held[req.request_id] = held  # it decodes without a tree until sent
+                # An answer still on its way was drafted before these tokens: make it stale
+                # (a step decoding ahead commits after its K=0 launch went by, tandem/ahead.py).
+                req.draft_seq += 1
         for request_id in released:
             self.held.pop(request_id, None)
         if not send:  # admits and releases wait for a lane with no answer outstanding

@@ -5,6 +5,8 @@ it in one extend), so switching at any step never changes greedy output."""
 from __future__ import annotations
 
 import itertools
+import logging
+import random
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from tandem.spec.exchange import HOLD_TOKENS
 from tandem.spec.policy import PolicyConfig, SpecPolicy
 from tandem.spec.types import SpecConfig
 from tandem.train.prompts import read_prompts
-from tests.spec.conftest import Checkpoints, greedy, ragged_prompts
+from tests.spec.conftest import VOCAB, Checkpoints, greedy, ragged_prompts
 
 FAMILY = Path(__file__).resolve().parents[2] / "checkpoints" / "tandem-code-ref"
 
@@ -252,3 +254,31 @@ def test_a_badly_losing_mode_is_rarely_measured_again(budget: float) -> None:
         assert min(gaps[1:]) >= 213, gaps
     else:
         assert min(gaps[1:]) < 213, gaps
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_no_stale_tree_after_k0_commits(
+    ckpts: Checkpoints,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    overlap: bool,
+) -> None:
+    """Held runs go out one per step, so answers to K=0 flushes are still due when the next
+    K=0 step commits (decoding ahead, the commit of the step in flight comes after its K=0
+    launch made older answers stale): every tree the draft sends answers the tokens it saw,
+    none is rejected, and the output is target-only's."""
+    from tandem.spec import exchange
+
+    monkeypatch.setattr(exchange, "HELD_BYTES_PER_STEP", 1)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 12))] for _ in range(20)]
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    expected = [r.token_ids for r in ckpts.engine(None, None).generate(prompts, params)]
+    engine = ckpts.engine(
+        "eagle3", SpecConfig(num_steps=3, topk=1), overlap=overlap, max_num_seqs=24
+    )
+    engine.policy = Scripted([False] * 9 + [True] * 9)
+    with caplog.at_level(logging.WARNING, logger="tandem.spec.exchange"):
+        assert [r.token_ids for r in engine.generate(prompts, params)] == expected
+    assert "rejected" not in caplog.text
+    _assert_clean(engine)
