@@ -10,9 +10,10 @@ or its tree was late) decodes that step without one, never with a stale one.
 K=0 steps (the adaptive policy, ``tandem.spec.policy``) submit with ``draft=False``: their
 outcomes are held back per request and merged (tokens and features concatenate exactly as the
 draft would have applied them one by one), so the draft does no work while the lane decodes
-plainly. They go out in one extend when speculation resumes, or once ``HOLD_TOKENS`` pile up
-(which bounds the features held here; that answer's trees are unused while K=0 lasts). Held
-runs go out at most ``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses
+plainly. They go out in one extend when speculation resumes, or, while the features held for
+all requests pass ``HELD_BYTES``, the longest runs go out until half of it is left (that
+answer's trees are unused while K=0 lasts); a request that finishes during K=0 sends nothing.
+Held runs go out at most ``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses
 together does not resume in one message over the stream's cap; a request still holding decodes
 without a tree.
 """
@@ -34,7 +35,7 @@ from tandem.spec.verify import Verified
 
 logger = logging.getLogger(__name__)
 
-HOLD_TOKENS = 64  # committed tokens a request may hold back from the draft during K=0
+HELD_BYTES = 256 << 20  # features held back during K=0 (all requests) before runs go out
 HELD_BYTES_PER_STEP = 16 << 20  # features of held runs sent per step (beyond the first run)
 
 
@@ -150,20 +151,23 @@ class DraftExchange:
         # One gather for the whole step; each request's features are a view of it.
         flat = [row for _, _, rows in tracked for row in rows]
         gathered = None if features is None or not flat else _gather_rows(features, flat)
-        offset, sent_bytes = 0, 0
+        offset = 0
         for req, v, rows in tracked:
-            held = self.held.pop(req.request_id, None) or _Held()
-            held.tokens += v.new_tokens
-            if gathered is not None:
-                held.chunks.append(gathered[offset : offset + len(rows)])
+            held = self.held.setdefault(req.request_id, _Held())
+            chunk = None if gathered is None else gathered[offset : offset + len(rows)]
+            held.add(v.new_tokens, chunk)
             offset += len(rows)
-            due = send and (draft or len(held.tokens) >= HOLD_TOKENS)
+        due = [req for req, _, _ in tracked] if draft else self._overflow(tracked)
+        sent_bytes = 0
+        for req in due if send else []:
+            held = self.held[req.request_id]
             # Long held runs go out a few per step: one message stays far below its cap.
-            if due and (not outcomes or sent_bytes + held.nbytes <= HELD_BYTES_PER_STEP):
-                outcomes.append(held.outcome(req.request_id))
-                sent_bytes += held.nbytes
-            else:
-                self.held[req.request_id] = held  # it decodes without a tree until sent
+            if outcomes and sent_bytes + held.nbytes > HELD_BYTES_PER_STEP:
+                continue
+            outcomes.append(self.held.pop(req.request_id).outcome(req.request_id))
+            sent_bytes += held.nbytes
+        for req, _, _ in tracked:
+            if req.request_id in self.held:  # it decodes without a tree until sent
                 # An answer still on its way was drafted before these tokens: make it stale
                 # (a step decoding ahead commits after its K=0 launch went by, tandem/ahead.py).
                 req.draft_seq += 1
@@ -185,6 +189,21 @@ class DraftExchange:
         self.drafter.submit(lane, admits, outcomes, released)
         self.wait_ns += time.perf_counter_ns() - started
         self.awaiting[lane] = awaiting
+
+    def _overflow(self, tracked: list[tuple[Request, Verified, list[int]]]) -> list[Request]:
+        """During K=0: the requests whose held runs go out now, longest first, while all held
+        features exceed ``HELD_BYTES`` (down to half of it); none below it."""
+        total = sum(h.nbytes for h in self.held.values())
+        if total <= HELD_BYTES:
+            return []
+        due = []
+        reqs = sorted((r for r, _, _ in tracked), key=lambda r: -self.held[r.request_id].nbytes)
+        for req in reqs:
+            if total <= HELD_BYTES // 2:
+                break
+            due.append(req)
+            total -= self.held[req.request_id].nbytes
+        return due
 
     def collect(self, lane: int) -> None:
         """Attaches the trees answering the lane's last submission, where still current."""
@@ -272,10 +291,13 @@ class _Held:
 
     tokens: list[int] = field(default_factory=list)  # accepted drafts and bonus, step by step
     chunks: list[torch.Tensor] = field(default_factory=list)  # per step [accepted + 1, F]
+    nbytes: int = 0  # of the chunks
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.chunks)
+    def add(self, tokens: list[int], chunk: torch.Tensor | None) -> None:
+        self.tokens += tokens
+        if chunk is not None:
+            self.chunks.append(chunk)
+            self.nbytes += chunk.numel() * chunk.element_size()
 
     def outcome(self, request_id: str) -> VerifyOutcome:
         features = None

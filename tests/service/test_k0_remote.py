@@ -9,7 +9,6 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
-from tandem.spec.exchange import HOLD_TOKENS
 from tandem.spec.policy import SpecPolicy
 from tests.service.test_draft_service import (  # noqa: F401 (fixtures)
     SPEC,
@@ -39,17 +38,21 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
     server: ServerThread,  # noqa: F811 (the imported fixture)
     ckpts: Ckpts,  # noqa: F811
     two_lanes: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from tandem.spec import exchange
+
+    monkeypatch.setattr(exchange, "HELD_BYTES", 64 << 10)  # part flushed during the stretch
     prompts = [Feed(9).ids(n) for n in (2, 7, 12, 5, 16)]
-    params = SamplingParams(max_new_tokens=HOLD_TOKENS + 40, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=104, ignore_eos=True)
     config = EngineConfig(model=ckpts.target, page_size=4)
     reference = [r.token_ids for r in Engine(config).generate(prompts, params)]
     remote = _remote(server.address, deadline_s=10.0)
     try:
         engine = Engine(config, drafter=remote, spec=SPEC)
-        # Short switches (answers in flight when K=0 starts) and one stretch past HOLD_TOKENS.
+        # Short switches (answers in flight when K=0 starts) and one long stretch.
         engine.policy = Scripted(
-            [True, False, True, True, False, False] + [False] * (HOLD_TOKENS + 2) + [True] * 8
+            [True, False, True, True, False, False] + [False] * 66 + [True] * 8
         )
         lanes = (lambda i: i % 2) if two_lanes else (lambda i: 0)
         ids = [engine.add_request(p, params, lane=lanes(i)) for i, p in enumerate(prompts)]

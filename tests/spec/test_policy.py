@@ -16,13 +16,15 @@ from tandem.engine import Engine
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 from tandem.spec.build import DraftConfig, build_drafter
-from tandem.spec.exchange import HOLD_TOKENS
 from tandem.spec.policy import PolicyConfig, SpecPolicy
 from tandem.spec.types import SpecConfig
 from tandem.train.prompts import read_prompts
 from tests.spec.conftest import VOCAB, Checkpoints, greedy, ragged_prompts
 
 FAMILY = Path(__file__).resolve().parents[2] / "checkpoints" / "tandem-code-ref"
+# With this cap on held features (HELD_BYTES), a long K=0 stretch flushes some runs while it
+# lasts (longest first) and keeps the others for the resume.
+SMALL_HOLD = 64 << 10
 
 
 class Scripted(SpecPolicy):
@@ -88,12 +90,15 @@ def test_neighbouring_batch_sizes_share_a_bucket() -> None:
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp-chain", "model"])
 def test_switching_modes_at_any_step_equals_target_only(
-    ckpts: Checkpoints, reference: list[list[int]], kind: str
+    ckpts: Checkpoints, reference: list[list[int]], kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """K=0 stretches short and long (past HOLD_TOKENS, so held outcomes are flushed while
+    """K=0 stretches short and long (past SMALL_HOLD, so held outcomes are flushed while
     K=0 lasts) interleaved with speculation: output equals target-only, nothing leaks."""
+    from tandem.spec import exchange
+
+    monkeypatch.setattr(exchange, "HELD_BYTES", SMALL_HOLD)
     engine = ckpts.engine(kind, SpecConfig(num_steps=3, topk=1), page_size=4)
-    pattern = [True, False, True, True, False, False, False] + [False] * (HOLD_TOKENS + 3)
+    pattern = [True, False, True, True, False, False, False] + [False] * 67
     engine.policy = Scripted(pattern + [True] * 6)
     assert _run(engine, ragged_prompts(), greedy()) == reference
     _assert_clean(engine)
@@ -110,11 +115,17 @@ def test_adaptive_engine_equals_target_only(ckpts: Checkpoints, reference: list[
     _assert_clean(engine)
 
 
-def test_speculation_after_a_long_k0_stretch_accepts_as_before() -> None:
-    """The trained reference family: after 80 K=0 steps (held outcomes flushed once at
-    HOLD_TOKENS, the rest at the resume) the draft proposes as well as one that never paused,
-    which it cannot do unless its KV and features caught up exactly."""
+def test_speculation_after_a_long_k0_stretch_accepts_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trained reference family: after 80 K=0 steps (held outcomes partly flushed while
+    they pass SMALL_HOLD, the rest at the resume) the draft proposes as well as one that never
+    paused, which it cannot do unless its KV and features caught up exactly."""
     from transformers import AutoTokenizer
+
+    from tandem.spec import exchange
+
+    monkeypatch.setattr(exchange, "HELD_BYTES", SMALL_HOLD)
 
     target = FAMILY / "target"
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -281,4 +292,39 @@ def test_no_stale_tree_after_k0_commits(
     with caplog.at_level(logging.WARNING, logger="tandem.spec.exchange"):
         assert [r.token_ids for r in engine.generate(prompts, params)] == expected
     assert "rejected" not in caplog.text
+    _assert_clean(engine)
+
+
+@pytest.mark.parametrize("cap", [SMALL_HOLD, 1 << 30])
+def test_held_features_stay_under_the_cap(
+    ckpts: Checkpoints, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch, cap: int
+) -> None:
+    """Every step K=0: held runs go out only while all held features pass HELD_BYTES (longest
+    first, down to half); under a large cap nothing but admits and releases reaches the draft
+    (a request that finishes during K=0 never sends its run)."""
+    from tandem.spec import exchange
+
+    monkeypatch.setattr(exchange, "HELD_BYTES", cap)
+    engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
+    engine.policy = Scripted([False])
+    assert engine.drafter is not None and engine.exchange is not None
+    sent: list[int] = []
+    submit = engine.drafter.submit
+
+    def counting(lane, admits, outcomes, released):  # type: ignore[no-untyped-def]
+        sent.append(len(outcomes))
+        return submit(lane, admits, outcomes, released)
+
+    engine.drafter.submit = counting  # type: ignore[method-assign]
+    ids = [engine.add_request(p, greedy()) for p in ragged_prompts()]
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, sum(h.nbytes for h in engine.exchange.held.values()))
+    engine.flush_draft()
+    assert [engine.pop_finished(i).token_ids for i in ids] == reference
+    if cap == SMALL_HOLD:
+        assert sum(sent) > 0 and peak <= 2 * cap
+    else:
+        assert sum(sent) == 0 and peak > SMALL_HOLD
     _assert_clean(engine)
