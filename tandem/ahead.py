@@ -31,7 +31,7 @@ import torch
 
 from tandem.request import Request
 from tandem.runner import ModelInputs, ModelOutputs
-from tandem.scheduler import ScheduledBatch
+from tandem.scheduler import ScheduledBatch, Scheduler
 from tandem.spec.verify import Verified, decode_greedy
 
 
@@ -90,3 +90,42 @@ def finishes_by_length(req: Request, max_model_len: int) -> bool:
     """Whether the token in flight for ``req`` (not appended yet) ends it by length."""
     outputs = len(req.output_ids) + 1
     return outputs >= req.params.max_new_tokens or req.num_tokens + 1 >= max_model_len
+
+
+def next_requests(
+    scheduler: Scheduler,
+    flight: InFlight | None,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> list[Request] | None:
+    """The requests of the next step if it may decode ahead (their next KV slot reserved),
+    else None: every running request decodes greedily without a tree, nobody waits to be
+    admitted, and a step in flight holds every running request."""
+    running = scheduler.running
+    if scheduler.waiting and len(running) < max_num_seqs:
+        return None
+    if not running or not all(eligible(req) for req in running):
+        return None
+    if flight is None:
+        reqs = list(running) if all(req.decoding for req in running) else []
+    else:
+        launched = set(flight.batch.requests)
+        if any(req not in launched for req in running):
+            return None
+        reqs = [
+            req
+            for req in flight.batch.requests
+            if not req.finished and not finishes_by_length(req, max_model_len)
+        ]
+    if not reqs or len(reqs) > max_num_batched_tokens:
+        return None
+    alloc = scheduler.allocator
+    for req in reqs:  # never preempts: a full pool takes the ordinary step
+        need = req.num_computed + 1 - alloc.num_tokens(req.request_id)
+        if need > 0 and not alloc.can_extend(req.request_id, need):
+            return None
+        if need > 0:
+            alloc.extend(req.request_id, need)
+    return reqs

@@ -262,7 +262,13 @@ class Engine:
         if self.policy is not None:
             speculate = self.policy.speculate(num_running)
         if not speculate and self.config.overlap:
-            reqs = self._ahead_requests()
+            reqs = ahead.next_requests(
+                self.scheduler,
+                self.in_flight,
+                max_model_len=self.max_model_len,
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+            )
             if reqs is not None:
                 return self._step_ahead(reqs, num_running, started)
         if self.in_flight is not None:
@@ -319,38 +325,6 @@ class Engine:
         return results
 
     # -- decoding ahead (tandem/ahead.py) ------------------------------------------------
-
-    def _ahead_requests(self) -> list[Request] | None:
-        """The requests of the next step if it may decode ahead (their next KV slot reserved),
-        else None: every running request decodes greedily without a tree, nobody waits to be
-        admitted, and a step in flight holds every running request."""
-        sched, flight = self.scheduler, self.in_flight
-        running = sched.running
-        if sched.waiting and len(running) < self.config.max_num_seqs:
-            return None
-        if not running or not all(ahead.eligible(req) for req in running):
-            return None
-        if flight is None:
-            reqs = list(running) if all(req.decoding for req in running) else []
-        else:
-            launched = set(flight.batch.requests)
-            if any(req not in launched for req in running):
-                return None
-            reqs = [
-                req
-                for req in flight.batch.requests
-                if not req.finished and not ahead.finishes_by_length(req, self.max_model_len)
-            ]
-        if not reqs or len(reqs) > self.config.max_num_batched_tokens:
-            return None
-        alloc = self.kv.allocator
-        for req in reqs:  # never preempts: a full pool takes the ordinary step
-            need = req.num_computed + 1 - alloc.num_tokens(req.request_id)
-            if need > 0 and not alloc.can_extend(req.request_id, need):
-                return None
-            if need > 0:
-                alloc.extend(req.request_id, need)
-        return reqs
 
     def _step_ahead(
         self, reqs: list[Request], num_running: int, started: int
