@@ -60,7 +60,7 @@ class StreamState:
             self.tracked[request_id] += len(outcome.accepted_token_ids) + 1
             queued = self.outbox.get(request_id)
             if isinstance(queued, DraftAdmit):
-                self.outbox[request_id] = _merge(queued, outcome)
+                self.outbox[request_id] = queued.then(outcome)
                 continue
             request.outcomes.append(
                 wire.outcome_to_proto(
@@ -102,12 +102,3 @@ class StreamState:
     def _cast(self, features: torch.Tensor | None) -> torch.Tensor | None:
         """Features in the dtype the draft asked for (bf16 halves the bytes on the wire)."""
         return None if features is None else features.to(self.hidden_dtype)
-
-
-def _merge(admit: DraftAdmit, outcome: VerifyOutcome) -> DraftAdmit:
-    """The admit of the tokens after ``outcome`` (features [len(token_ids) - 1, F])."""
-    features = admit.features
-    if features is not None and outcome.features is not None:
-        features = torch.cat([features, outcome.features.to(features.dtype)])
-    tokens = [*admit.token_ids, *outcome.accepted_token_ids, outcome.bonus_token_id]
-    return replace(admit, token_ids=tokens, features=features)

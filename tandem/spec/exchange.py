@@ -92,8 +92,8 @@ class DraftExchange:
 
     def flush(self, released: list[str], lane: int) -> None:
         """Collects every outstanding answer; then tells the draft about ``released``."""
-        admits, released = self._with_deferred([], released)
-        assert not admits, "a deferred admit outlived its request"
+        admits, released = self._take_deferred(released, admits=True)
+        assert not admits and not self._deferred_admits, "a deferred admit outlived its request"
         for request_id in released:
             self.held.pop(request_id, None)
         for waiting in list(self.awaiting):
@@ -157,31 +157,42 @@ class DraftExchange:
             chunk = None if gathered is None else gathered[offset : offset + len(rows)]
             held.add(v.new_tokens, chunk)
             offset += len(rows)
+        for request_id in released:
+            self.held.pop(request_id, None)
+        # During K=0 admits wait too (their prompt features held here), unless held features
+        # pass HELD_BYTES: then admits and the longest runs go out.
+        over = self._held_bytes(admits) > HELD_BYTES
+        self._deferred_admits += admits
+        if not send:  # admits and releases wait for a lane with no answer outstanding
+            self._deferred_released += released
+            self._stale(tracked)
+            return
+        admits, released = self._take_deferred(released, admits=draft or over)
+        sent_bytes = sum(_nbytes(a.features) for a in admits)
+        waiting = {a.request_id for a in self._deferred_admits}
         due = [req for req, _, _ in tracked] if draft else self._overflow(tracked)
-        sent_bytes = 0
-        for req in due if send else []:
+        for req in due:
             held = self.held[req.request_id]
             # Long held runs go out a few per step: one message stays far below its cap.
-            if outcomes and sent_bytes + held.nbytes > HELD_BYTES_PER_STEP:
+            if req.request_id in waiting or (
+                (admits or outcomes) and sent_bytes + held.nbytes > HELD_BYTES_PER_STEP
+            ):
                 continue
             outcomes.append(self.held.pop(req.request_id).outcome(req.request_id))
             sent_bytes += held.nbytes
-        for req, _, _ in tracked:
-            if req.request_id in self.held:  # it decodes without a tree until sent
-                # An answer still on its way was drafted before these tokens: make it stale
-                # (a step decoding ahead commits after its K=0 launch went by, tandem/ahead.py).
-                req.draft_seq += 1
-        for request_id in released:
-            self.held.pop(request_id, None)
-        if not send:  # admits and releases wait for a lane with no answer outstanding
-            self._deferred_admits += admits
-            self._deferred_released += released
-            return
-        admits, released = self._with_deferred(admits, released)
+        self._stale(tracked)
+        # A run that goes out with its request's admit joins the admit (one update each).
+        joining = {a.request_id: i for i, a in enumerate(admits)}
+        for outcome in [o for o in outcomes if o.request_id in joining]:
+            i = joining[outcome.request_id]
+            admits[i] = admits[i].then(outcome)
+            outcomes.remove(outcome)
         if not (admits or outcomes or released):
             return  # a K=0 step with nothing to send: the draft does no work
         awaiting: dict[str, int] = {}
         for request_id in [a.request_id for a in admits] + [o.request_id for o in outcomes]:
+            if request_id in self.held:
+                continue  # an admit whose held run waits: its tree answers an older state
             req = self._requests[request_id]
             req.draft_seq += 1
             awaiting[request_id] = req.draft_seq
@@ -193,7 +204,7 @@ class DraftExchange:
     def _overflow(self, tracked: list[tuple[Request, Verified, list[int]]]) -> list[Request]:
         """During K=0: the requests whose held runs go out now, longest first, while all held
         features exceed ``HELD_BYTES`` (down to half of it); none below it."""
-        total = sum(h.nbytes for h in self.held.values())
+        total = self._held_bytes([])
         if total <= HELD_BYTES:
             return []
         due = []
@@ -230,18 +241,39 @@ class DraftExchange:
             room = min(self.max_model_len, len(req.prompt_ids) + req.params.max_new_tokens)
             req.tree = tree.prefix(max(1, room - req.num_computed))
 
-    def _with_deferred(
-        self, admits: list[DraftAdmit], released: list[str]
+    def _take_deferred(
+        self, released: list[str], *, admits: bool
     ) -> tuple[list[DraftAdmit], list[str]]:
-        """Prepends what waited for a free lane; an admit of a request released meanwhile is
-        never sent (nor is its release: the draft never knew it)."""
-        admits = [*self._deferred_admits, *admits]
+        """The waiting releases, and (``admits``) the waiting admits, oldest first, up to
+        ``HELD_BYTES_PER_STEP`` of features (at least one). An admit of a request released
+        meanwhile is never sent, nor is its release (the draft never knew it)."""
         released = [*self._deferred_released, *released]
-        self._deferred_admits, self._deferred_released = [], []
+        self._deferred_released = []
         gone = set(released)
-        dropped = {a.request_id for a in admits if a.request_id in gone}
-        admits = [a for a in admits if a.request_id not in gone]
-        return admits, [r for r in released if r not in dropped]
+        dropped = {a.request_id for a in self._deferred_admits if a.request_id in gone}
+        waiting = [a for a in self._deferred_admits if a.request_id not in gone]
+        taken: list[DraftAdmit] = []
+        size = 0
+        while admits and waiting:
+            size += _nbytes(waiting[0].features)
+            if taken and size > HELD_BYTES_PER_STEP:
+                break
+            taken.append(waiting.pop(0))
+        self._deferred_admits = waiting
+        return taken, [r for r in released if r not in dropped]
+
+    def _held_bytes(self, admits: list[DraftAdmit]) -> int:
+        """Features held for the draft: runs, admits waiting, ``admits`` of this step."""
+        runs = sum(h.nbytes for h in self.held.values())
+        return runs + sum(_nbytes(a.features) for a in [*self._deferred_admits, *admits])
+
+    def _stale(self, tracked: list[tuple[Request, Verified, list[int]]]) -> None:
+        """Requests still holding decode without a tree until sent: an answer still on its
+        way was drafted before their held tokens (a step decoding ahead commits after its K=0
+        launch went by, tandem/ahead.py)."""
+        for req, _, _ in tracked:
+            if req.request_id in self.held:
+                req.draft_seq += 1
 
     def _apply_dropped(self) -> None:
         for request_id in self.drafter.take_dropped():
@@ -273,6 +305,10 @@ class DraftExchange:
             temperature=req.params.temperature,
             trace_context=req.trace_context,
         )
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 def _gather_rows(features: torch.Tensor, rows: list[int]) -> torch.Tensor:

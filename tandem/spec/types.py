@@ -3,7 +3,7 @@ and draft (DESIGN.md section 3; the in-process twin of ``draft.proto``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -110,6 +110,15 @@ class DraftAdmit:
     spec: SpecConfig
     temperature: float = 0.0
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C carrier of its span
+
+    def then(self, outcome: VerifyOutcome) -> DraftAdmit:
+        """The admit of the tokens after ``outcome`` too (features [len(token_ids) - 1, F]):
+        what the draft holds once it applied both."""
+        features = self.features
+        if features is not None and outcome.features is not None:
+            features = torch.cat([features, outcome.features.to(features.dtype)])
+        tokens = [*self.token_ids, *outcome.accepted_token_ids, outcome.bonus_token_id]
+        return replace(self, token_ids=tokens, features=features)
 
 
 @dataclass(kw_only=True)

@@ -299,9 +299,9 @@ def test_no_stale_tree_after_k0_commits(
 def test_held_features_stay_under_the_cap(
     ckpts: Checkpoints, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch, cap: int
 ) -> None:
-    """Every step K=0: held runs go out only while all held features pass HELD_BYTES (longest
-    first, down to half); under a large cap nothing but admits and releases reaches the draft
-    (a request that finishes during K=0 never sends its run)."""
+    """Every step K=0: admits (prompt features) and held runs go out only while all held
+    features pass HELD_BYTES (runs longest first, down to half); under a large cap nothing
+    reaches the draft at all (a request that finishes during K=0 was never admitted there)."""
     from tandem.spec import exchange
 
     monkeypatch.setattr(exchange, "HELD_BYTES", cap)
@@ -312,7 +312,7 @@ def test_held_features_stay_under_the_cap(
     submit = engine.drafter.submit
 
     def counting(lane, admits, outcomes, released):  # type: ignore[no-untyped-def]
-        sent.append(len(outcomes))
+        sent.append(len(admits) + len(outcomes) + len(released))
         return submit(lane, admits, outcomes, released)
 
     engine.drafter.submit = counting  # type: ignore[method-assign]
