@@ -278,6 +278,8 @@ class Engine:
         self.last_stats = SpecStats()
         step_lane: int | None = lane
         can_send = True
+        # Trees are missing while the draft catches up after K=0: the policy skips such steps.
+        catching_up = exchange is not None and speculate and exchange.catching_up
         if exchange is not None and speculate:
             exchange.collect_idle(lanes)
             exchange.collect(lane)
@@ -321,7 +323,8 @@ class Engine:
         )
         if self.policy is not None and all(decoding):
             committed = sum(len(out.new_token_ids) for out in results)
-            self.policy.record(num_running, committed, self.last_timing.total_ns)
+            total_ns = self.last_timing.total_ns
+            self.policy.record(num_running, committed, total_ns, settled=not catching_up)
         return results
 
     # -- decoding ahead (tandem/ahead.py) ------------------------------------------------

@@ -63,6 +63,11 @@ class DraftExchange:
         self._deferred_admits: list[DraftAdmit] = []
         self._deferred_released: list[str] = []
 
+    @property
+    def catching_up(self) -> bool:
+        """Whether K=0 left the draft behind: runs or admits still waiting to go out."""
+        return bool(self.held or self._deferred_admits)
+
     def other_lane_in_flight(self, lane: int) -> bool:
         """Whether another lane's trees are being drafted right now."""
         return any(self.drafter.in_flight(other) for other in self.awaiting if other != lane)

@@ -50,6 +50,8 @@ class PolicyConfig:
     margin: float = 1.1
     # At most this share of the time goes to measuring the slower mode again.
     explore_budget: float = 0.03
+    # Steps of a window skipped while the draft catches up after K=0 (at most).
+    max_unsettled_steps: int = 16
 
     def __post_init__(self) -> None:
         if min(self.window_steps, self.explore_steps, self.first_explore_steps) < 1:
@@ -74,6 +76,7 @@ class _Bucket:
     tokens: int = 0  # measured so far in this window
     ns: int = 0  # the window's time, or (exploiting) the time since the decision
     debt_ns: float = 0.0  # what the last window of the slower mode lost against the better
+    unsettled: int = 0  # steps of this window skipped while the draft caught up
 
 
 class SpecPolicy:
@@ -88,9 +91,17 @@ class SpecPolicy:
         """The mode of the next step of a batch this size."""
         return self._bucket(batch_size).mode is Mode.SPECULATE
 
-    def record(self, batch_size: int, committed_tokens: int, step_ns: int) -> None:
-        """One step of ``batch_size`` requests in the mode ``speculate`` returned for it."""
+    def record(
+        self, batch_size: int, committed_tokens: int, step_ns: int, *, settled: bool = True
+    ) -> None:
+        """One step of ``batch_size`` requests in the mode ``speculate`` returned for it.
+        ``settled=False``: the draft is still catching up after K=0 (runs or admits waiting);
+        a measuring window skips up to ``max_unsettled_steps`` such steps, so it measures
+        speculation itself (the catch-up is a switch's cost, which ``margin`` covers)."""
         c, b = self.config, self._bucket(batch_size)
+        if not settled and b.measuring and b.unsettled < c.max_unsettled_steps:
+            b.unsettled += 1
+            return
         b.steps += 1
         if not b.measuring:
             b.ns += step_ns
@@ -130,7 +141,7 @@ class SpecPolicy:
         if mode is not b.mode:
             self.switches += 1
         b.mode, b.measuring = mode, measuring
-        b.steps = b.tokens = b.ns = 0
+        b.steps = b.tokens = b.ns = b.unsettled = 0
 
 
 class NeverSpeculate(SpecPolicy):
@@ -139,7 +150,9 @@ class NeverSpeculate(SpecPolicy):
     def speculate(self, batch_size: int) -> bool:
         return False
 
-    def record(self, batch_size: int, committed_tokens: int, step_ns: int) -> None:
+    def record(
+        self, batch_size: int, committed_tokens: int, step_ns: int, *, settled: bool = True
+    ) -> None:
         pass
 
 

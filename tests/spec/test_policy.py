@@ -16,7 +16,7 @@ from tandem.engine import Engine
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 from tandem.spec.build import DraftConfig, build_drafter
-from tandem.spec.policy import PolicyConfig, SpecPolicy
+from tandem.spec.policy import Mode, PolicyConfig, SpecPolicy
 from tandem.spec.types import SpecConfig
 from tandem.train.prompts import read_prompts
 from tests.spec.conftest import VOCAB, Checkpoints, greedy, ragged_prompts
@@ -328,3 +328,34 @@ def test_held_features_stay_under_the_cap(
     else:
         assert sum(sent) == 0 and peak > SMALL_HOLD
     _assert_clean(engine)
+
+
+def test_a_window_skips_the_drafts_catch_up() -> None:
+    """Speculative steps while the draft catches up after K=0 (no trees yet, 1 token in
+    10 ms) are left out of the window, up to max_unsettled_steps; the window then measures
+    speculation itself (3 tokens in 2 ms) and keeps it."""
+    config = PolicyConfig(window_steps=4, settle_steps=0, max_unsettled_steps=5)
+    policy = SpecPolicy(config)
+    for _ in range(4):  # speculation first: 3 tokens in 2 ms
+        policy.record(1, 3, 2_000_000)
+    for _ in range(4):  # then K=0: 1 token in 1 ms; K=0 loses
+        assert not policy.speculate(1)
+        policy.record(1, 1, 1_000_000)
+    assert policy.speculate(1) and policy.rates(1)["speculate"] == pytest.approx(1500.0)
+    lagging = SpecPolicy(config)
+    lagging.record(1, 1, 1_000_000)  # a new bucket measures speculation first
+    for _ in range(3):
+        lagging.record(1, 1, 1_000_000)
+    assert not lagging.speculate(1)  # K=0 measured next
+    for _ in range(4):
+        lagging.record(1, 1, 1_000_000)
+    # Both measured at 1000 tokens/s: K=0 (the margin wants 10% more). Re-check speculation
+    # with 7 catch-up steps: 5 are skipped, 2 counted, then 2 settled ones.
+    lagging._bucket(1).mode = Mode.SPECULATE
+    lagging._bucket(1).measuring = True
+    for _ in range(7):
+        lagging.record(1, 1, 10_000_000, settled=False)
+    for _ in range(2):
+        lagging.record(1, 3, 2_000_000)
+    # (1 + 1 + 3 + 3) tokens in 24 ms: the two catch-up steps past the cap count.
+    assert lagging.rates(1)["speculate"] == pytest.approx(8 / 0.024)
