@@ -116,31 +116,14 @@ class ModelRunner:
             if graph is not None:
                 graph.device_ids = input_ids
                 return ModelInputs(trees=trees, row_starts=starts, token_starts=starts, graph=graph)
-        ends = [p + 1 for p in positions]
-        meta = AttentionMetadata.build(
-            page_size=self.kv.allocator.page_size,
-            query_lens=[1] * n,
-            seq_lens=ends,
-            page_table=self.kv.allocator.page_table(req_ids, device=self.device),
-            slot_mapping=self.kv.slot_mapping_tensor(req_ids, positions, ends),
-            masks=[None] * n,
-        )
-        return ModelInputs(
-            input_ids=input_ids,
-            positions=device_ints(positions, self.device),
-            meta=meta,
-            logits_indices=device_ints(starts, self.device),
-            trees=trees,
-            row_starts=starts,
-            token_starts=starts,
+        return self._eager_inputs(
+            batch, input_ids, positions, positions, [None] * n, starts, trees, starts, starts
         )
 
     def _prepare_eager(self, batch: ScheduledBatch, trees: list[Tree | None]) -> ModelInputs:
-        alloc = self.kv.allocator
         ids: list[int] = []
         positions: list[int] = []
         starts: list[int] = []
-        ends: list[int] = []
         masks: list[torch.Tensor | None] = []
         logits_indices: list[int] = []
         row_starts: list[int] = []
@@ -158,21 +141,46 @@ class ModelRunner:
                 positions.extend(range(start, start + n))
                 masks.append(None)
             starts.append(start)
-            ends.append(start + n)
             if tree is not None:
                 first = len(ids) - len(tree)
                 logits_indices.extend(range(first, len(ids)))
+        return self._eager_inputs(
+            batch,
+            device_ints(ids, self.device),
+            positions,
+            starts,
+            masks,
+            logits_indices,
+            trees,
+            row_starts,
+            token_starts,
+        )
+
+    def _eager_inputs(
+        self,
+        batch: ScheduledBatch,
+        input_ids: torch.Tensor,  # [num_tokens] int64 on the device
+        positions: list[int],  # [num_tokens]
+        starts: list[int],  # per request: its first KV index this step
+        masks: list[torch.Tensor | None],  # per request: tree mask, None for causal
+        logits_indices: list[int],
+        trees: list[Tree | None],
+        row_starts: list[int],
+        token_starts: list[int],
+    ) -> ModelInputs:
+        """An eager step's inputs: attention metadata over the requests' reserved KV."""
         req_ids = [req.request_id for req in batch.requests]
+        ends = [s + n for s, n in zip(starts, batch.num_new_tokens, strict=True)]
         meta = AttentionMetadata.build(
-            page_size=alloc.page_size,
+            page_size=self.kv.allocator.page_size,
             query_lens=batch.num_new_tokens,
             seq_lens=ends,
-            page_table=alloc.page_table(req_ids, device=self.device),
+            page_table=self.kv.allocator.page_table(req_ids, device=self.device),
             slot_mapping=self.kv.slot_mapping_tensor(req_ids, starts, ends),
             masks=masks,
         )
         return ModelInputs(
-            input_ids=device_ints(ids, self.device),
+            input_ids=input_ids,
             positions=device_ints(positions, self.device),
             meta=meta,
             logits_indices=device_ints(logits_indices, self.device),
