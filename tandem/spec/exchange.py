@@ -338,7 +338,7 @@ class _Held:
         self.tokens += tokens
         if chunk is not None:
             self.chunks.append(chunk)
-            self.nbytes += chunk.numel() * chunk.element_size()
+        self.nbytes += _nbytes(chunk)
 
     def outcome(self, request_id: str) -> VerifyOutcome:
         features = None

@@ -113,6 +113,13 @@ def _wait(predicate: Callable[[], bool], timeout: float = 20) -> None:
         time.sleep(0.01)
 
 
+def assert_draft_released_all(server: ServerThread) -> None:
+    """The draft service tracks no request any more and its KV pool has no page in use (no
+    leak); waits for the last release to land."""
+    _wait(lambda: server.num_tracked() == 0)
+    assert server.run(server.server.engine.kv_usage()).pages_used == 0
+
+
 class Feed:
     """Deterministic admits and outcomes (random features, first child accepted)."""
 
@@ -297,9 +304,7 @@ def test_engine_with_remote_drafter_equals_target_only(server: ServerThread, ckp
         assert sum(r.stats.draft_tokens for r in results) > 0  # trees were verified
         assert remote.fallback_steps == 0 and remote.take_dropped() == []
         assert remote.num_tracked() == 0
-        _wait(lambda: server.num_tracked() == 0)
-        kv = server.run(server.server.engine.kv_usage())
-        assert kv.pages_used == 0  # no page leaks in the draft's pool
+        assert_draft_released_all(server)
     finally:
         remote.close()
 

@@ -16,7 +16,7 @@ from tests.service.test_draft_service import (  # noqa: F401 (fixtures)
     Feed,
     ServerThread,
     _remote,
-    _wait,
+    assert_draft_released_all,
     ckpts,
     server,
 )
@@ -67,8 +67,6 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
         assert remote.take_dropped() == []
         alloc = engine.kv.allocator
         assert alloc.num_free_pages == alloc.num_pages
-        _wait(lambda: server.num_tracked() == 0)
-        kv = server.run(server.server.engine.kv_usage())
-        assert kv.pages_used == 0
+        assert_draft_released_all(server)
     finally:
         remote.close()
