@@ -21,6 +21,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from kernels._launch import trusted_values as trusted_values  # re-exported
 from kernels.reference import (
     accepted_slots_ref,
     build_tree_ref,

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kv import to_device
+
 
 @dataclass(kw_only=True)
 class AttentionMetadata:
@@ -85,11 +87,11 @@ class AttentionMetadata:
         custom_mask = None
         if masks is not None and any(m is not None for m in masks):
             widths = [s - p for s, p in zip(seq_lens, prefix_lens, strict=True)]
-            custom_mask = build_custom_mask(masks, query_lens, widths).to(device)
+            custom_mask = to_device(build_custom_mask(masks, query_lens, widths), device)
         return cls(
             page_size=page_size,
-            query_start_loc=torch.tensor(cu, dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int64, device=device),
+            query_start_loc=to_device(torch.tensor(cu, dtype=torch.int64), device),
+            seq_lens=to_device(torch.tensor(list(seq_lens), dtype=torch.int64), device),
             page_table=page_table,
             slot_mapping=slot_mapping,
             custom_mask=custom_mask,
@@ -132,10 +134,17 @@ def build_custom_mask(
     blocks = []
     for mask, q_len, width in zip(masks, query_lens, widths, strict=True):
         if mask is None:
-            mask = torch.ones(q_len, width, dtype=torch.bool).tril_(width - q_len)
+            mask = causal_mask(q_len, width)
         elif tuple(mask.shape) != (q_len, width):
             raise ValueError(f"masks: shape {tuple(mask.shape)} != ({q_len}, {width})")
         blocks.append(mask.to(device="cpu", dtype=torch.bool).reshape(-1))
     if not blocks:
         return torch.zeros(0, dtype=torch.bool)
     return torch.cat(blocks)
+
+
+def causal_mask(q_len: int, width: int) -> torch.Tensor:  # [q_len, width] bool
+    """Row r sees columns ``<= width - q_len + r``: the last ``q_len`` columns are the new
+    tokens, earlier ones visible to all. (A comparison, not ``Tensor.tril_``, which on some
+    CPUs takes milliseconds for a bool [128, 256].)"""
+    return torch.arange(width)[None, :] <= torch.arange(width - q_len, width)[:, None]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.reference_attention import dense_attention_ref
-from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.metadata import AttentionMetadata, causal_mask
 
 
 @dataclass
@@ -86,7 +86,7 @@ class TorchAttention:
                 allowed[i, :q_len, prefix:seq_len] = block.view(q_len, width)
                 offset += q_len * width
             else:
-                causal = torch.ones(q_len, width, dtype=torch.bool).tril_(width - q_len)
+                causal = causal_mask(q_len, width)
                 allowed[i, :q_len, prefix:seq_len] = causal
             token_req += [i] * q_len
             token_row += range(q_len)

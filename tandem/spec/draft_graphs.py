@@ -56,7 +56,6 @@ from tandem.spec.draft_buffers import (
     build_loop_entry,
 )
 from tandem.spec.draft_plan import PAD_BASE, chain_schedule, plan_extend, plan_loop
-from tandem.spec.tree import CandidatePool
 from tandem.spec.types import Tree
 
 if TYPE_CHECKING:
@@ -153,19 +152,19 @@ class DraftGraphRunner:
         for m in schedule.roots:
             self.last_in[m][: len(seqs)].copy_(torch.stack([s.last_out[m] for s in seqs]))  # type: ignore[misc]
         self._replay("loop", entry)
-        ids, logprobs, valid = entry.result[:, : len(seqs)].tolist()
+        ids, _, valid = entry.result[:, : len(seqs)].tolist()
         d.model_ns += time.perf_counter_ns() - started
         trees = {}
         for i, (request_id, seq) in enumerate(zip(request_ids, seqs, strict=True)):
             for m, kv in enumerate(d.kvs):
                 kv.allocator.truncate(request_id, max(0, len(seq.tokens) - d.modules[m].shift))
-            pool = CandidatePool(verified_token=seq.tokens[-1])
-            for s in range(num_steps):
-                if not valid[i][s]:
-                    break  # NaN/inf logits: the chain ends above this depth, as on the host
-                added = pool.add_children(s - 1, [int(ids[i][s])], [logprobs[i][s]])
-                pool.select_frontier(added, 1)
-            trees[request_id] = pool.to_tree(min(seq.spec.tree_size, len(pool.tokens) + 1))
+            # The chain stops above the first step with NaN/inf logits, as on the host. What
+            # CandidatePool.to_tree gives for a chain (scores only fall along it), built
+            # directly: this loop runs per request and step on the host.
+            depth = next((s for s in range(num_steps) if not valid[i][s]), num_steps)
+            depth = min(depth, seq.spec.tree_size - 1)
+            tokens = (seq.tokens[-1], *(int(t) for t in ids[i][:depth]))
+            trees[request_id] = Tree(tokens=tokens, parents=(-1, *range(depth)))
         return trees
 
     def _loop_forward(self, entry: LoopEntry) -> None:

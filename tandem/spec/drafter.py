@@ -34,7 +34,7 @@ import torch
 import kernels
 from tandem.attention import AttentionMetadata, backend_for
 from tandem.errors import KVExhausted
-from tandem.kv import KVCache
+from tandem.kv import KVCache, to_device
 from tandem.models import ForwardContext
 from tandem.models.draft import DraftModule
 from tandem.spec.base import Drafter
@@ -307,8 +307,8 @@ class ModelDrafter(Drafter):
             prefix_lens=prefixes,
         )
         device = self.device
-        token_ids = torch.tensor([p.token for p in flat], dtype=torch.int64, device=device)
-        positions = torch.tensor([p.position for p in flat], dtype=torch.int64, device=device)
+        host = torch.tensor([[p.token for p in flat], [p.position for p in flat]])
+        token_ids, positions = to_device(host, device)
         hidden = None
         if module.uses_hidden:
             hidden = torch.stack([p.hidden for p in flat])  # type: ignore[misc]

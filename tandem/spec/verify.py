@@ -33,6 +33,7 @@ from kernels.reference import (
 )
 from tandem.kv import KVCache
 from tandem.request import Request
+from tandem.runner import device_ints, read_host
 from tandem.sampling import SamplingBatch, process_logits
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import Tree
@@ -106,17 +107,26 @@ def verify(
         tokens = top_ids[:, None]  # placeholder: with one node every path entry is the bonus
         bonus = top_ids
     else:
-        accept_index, accept_len, bonus, tokens = _accept(
-            processed, top_ids, trees, reqs, starts, width, coin_block, ops
-        )
+        # The trees passed Tree.check where they crossed the draft/target boundary: the
+        # kernels need not read them back to validate them (a device sync each).
+        with kernels.trusted_values():
+            accept_index, accept_len, bonus, tokens = _accept(
+                processed, top_ids, trees, reqs, starts, width, coin_block, ops
+            )
     if simulate is not None:  # perf only: the verdict above is overridden (its cost is kept)
         paths = simulate.paths(trees)
-        accept_index = torch.tensor(
-            [p + [-1] * (accept_index.shape[1] - len(p)) for p in paths], device=device
+        a = accept_index.shape[1]
+        drawn = device_ints(
+            [
+                *(i for p in paths for i in [*p, *[-1] * (a - len(p))]),
+                *(len(p) for p in paths),
+                *(s + p[-1] for s, p in zip(starts, paths, strict=True)),
+            ],
+            device,
         )
-        accept_len = torch.tensor([len(p) for p in paths], device=device)
-        last = torch.tensor([s + p[-1] for s, p in zip(starts, paths, strict=True)])
-        bonus = top_ids[last.to(device)]
+        accept_index = drawn[: bs * a].view(bs, a)
+        accept_len = drawn[bs * a : bs * a + bs]
+        bonus = top_ids[drawn[bs * a + bs :]]
 
     # The new token after each path node, and its log-probability at that node.
     accept_width = accept_index.shape[1]
@@ -124,14 +134,15 @@ def verify(
     after = torch.cat([node[:, 1:], node[:, :1]], dim=1)  # [bs, A] the next path node
     is_last = torch.arange(accept_width, device=device)[None, :] == (accept_len - 1)[:, None]
     new_ids = torch.where(is_last, bonus[:, None], tokens.gather(1, after))  # [bs, A]
-    rows = torch.tensor(starts, device=device)[:, None] + node  # [bs, A] flat logits rows
+    rows = device_ints(starts, device)[:, None] + node  # [bs, A] flat logits rows
     lse = processed.gather(1, top_ids[:, None])[:, 0] - top_lp  # [sum(N)] logsumexp per row
     picked = processed[rows, new_ids] - lse[rows]  # [bs, A]
     lps = torch.where(new_ids == top_ids[rows], top_lp[rows], picked)
 
     # The one host read of the step.
-    ints = torch.cat([accept_index.flatten(), accept_len, bonus]).tolist()
-    lps_host = lps.tolist()
+    ints_dev = torch.cat([accept_index.flatten(), accept_len, bonus])
+    ints_host, lps_host_t = read_host(ints_dev, lps)
+    ints, lps_host = ints_host.tolist(), lps_host_t.tolist()
     index_host = [ints[b * accept_width : (b + 1) * accept_width] for b in range(bs)]
     len_host = ints[bs * accept_width : bs * accept_width + bs]
     bonus_host = ints[bs * accept_width + bs :]
@@ -174,8 +185,7 @@ def _accept(
         flat_parents += [*tree.parents, *[-1] * pad]
     # The accept width is known on the host: the deepest node, plus node 0.
     accept_width = max(max(tree.depths) for tree in trees) + 1
-    host = torch.tensor([*flat_tokens, *flat_parents, *(len(t) for t in trees), *starts])
-    host = host.to(device, non_blocking=True)
+    host = device_ints([*flat_tokens, *flat_parents, *(len(t) for t in trees), *starts], device)
     tokens = host[: bs * width].view(bs, width)
     parents = host[bs * width : 2 * bs * width].view(bs, width)
     num_nodes = host[2 * bs * width : 2 * bs * width + bs]
@@ -197,12 +207,12 @@ def _accept(
     accept_len = torch.ones(bs, dtype=torch.int64, device=device)
     bonus = torch.zeros(bs, dtype=torch.int64, device=device)
     if greedy:
-        idx = torch.tensor(greedy, device=device)
+        idx = device_ints(greedy, device)
         accept_index[idx], accept_len[idx], bonus[idx] = ops.verify_greedy(
             tokens[idx], top_ids[rows[idx]], first_child[idx], next_sibling[idx],
             num_nodes[idx], accept_width,
         )  # fmt: skip
-    idx = torch.tensor(sampled, device=device)
+    idx = device_ints(sampled, device)
     accept_index[idx], accept_len[idx], bonus[idx] = _sampling(
         processed.softmax(dim=-1)[rows[idx]],
         tokens[idx],
@@ -278,20 +288,26 @@ def compact(
     if moving:
         ids = [request_ids[i] for i in moving]
         width = max(len(accepted[i].accept_nodes) for i in moving)
-        index = torch.full((len(moving), width), -1, dtype=torch.int64)
-        for r, i in enumerate(moving):
-            nodes = accepted[i].accept_nodes
-            index[r, : len(nodes)] = torch.tensor(nodes)
-        lens = torch.tensor([len(accepted[i].accept_nodes) for i in moving])
+        paths = [accepted[i].accept_nodes for i in moving]
         device = kv.k_caches[0].device
         ops = _ops(device)
-        src, dst = ops.accepted_slots(
-            kv.allocator.page_table(ids, device=device),
-            torch.tensor([base_lens[i] for i in moving], device=device),
-            index.to(device),
-            lens.to(device),
-            kv.spec.page_size,
+        host = device_ints(
+            [
+                *(n for p in paths for n in [*p, *[-1] * (width - len(p))]),  # [M, width]
+                *(len(p) for p in paths),
+                *(base_lens[i] for i in moving),
+            ],
+            device,
         )
-        ops.compact_accepted([*kv.k_caches, *kv.v_caches], src, dst)
+        m = len(moving)
+        with kernels.trusted_values():  # paths this module computed from checked trees
+            src, dst = ops.accepted_slots(
+                kv.allocator.page_table(ids, device=device),
+                host[m * width + m :],
+                host[: m * width].view(m, width),
+                host[m * width : m * width + m],
+                kv.spec.page_size,
+            )
+            ops.compact_accepted([*kv.k_caches, *kv.v_caches], src, dst)
     for request_id, base, v in zip(request_ids, base_lens, accepted, strict=True):
         kv.allocator.truncate(request_id, base + len(v.accept_nodes))

@@ -19,6 +19,7 @@ import torch
 from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: import first
 
 # isort: split
+import kernels
 from kernels.reference import (
     _link_depths,
     accepted_slots_ref,
@@ -107,6 +108,24 @@ def test_build_tree_rejects_what_the_reference_rejects(
     num = torch.tensor(num_nodes, device=DEVICE)
     same_error(lambda: build_tree(p, num), lambda: build_tree_ref(p, num))
     same_error(lambda: build_tree(p.int(), num), lambda: build_tree_ref(p.int(), num))
+
+
+def test_trusted_values_skips_only_the_value_checks() -> None:
+    """Inside ``trusted_values`` (the engine's verification of checked trees) the wrappers do
+    not read their inputs back: a bad parent passes; shapes are still checked; outside and
+    after the (nested) blocks the values are checked again."""
+    bad = torch.tensor([[-1, 2, 0]], device=DEVICE)  # node 1's parent comes after it
+    num = torch.tensor([3], device=DEVICE)
+    with pytest.raises(ValueError, match="parent"):
+        build_tree(bad, num)
+    with kernels.trusted_values():
+        with kernels.trusted_values():
+            build_tree(bad, num)
+        build_tree(bad, num)
+        with pytest.raises(ValueError, match="num_nodes"):
+            build_tree(bad, num[None])  # a shape: always checked
+    with pytest.raises(ValueError, match="parent"):
+        build_tree(bad, num)
 
 
 # ----------------------------------------------------------------------------- verify_greedy
