@@ -39,6 +39,9 @@ class EngineConfig:
     # Plain greedy decode steps (target-only, K=0) launch the next step before reading the
     # last one (tandem/ahead.py); False runs every step synchronously.
     overlap: bool = True
+    # The target's projection weights stored transposed (DecoderLM.use_transposed_weights):
+    # cuBLAS's faster layout for decode-sized GEMMs; None = on for CUDA devices.
+    transposed_weights: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -69,6 +72,12 @@ class EngineConfig:
         if self.cuda_graphs is None:
             return self.device.startswith("cuda")
         return self.cuda_graphs
+
+    @property
+    def use_transposed_weights(self) -> bool:
+        if self.transposed_weights is None:
+            return self.device.startswith("cuda")
+        return self.transposed_weights
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:

@@ -91,6 +91,8 @@ class Engine:
         self.config = config
         if model is None:
             model = load_model(config.model, dtype=config.torch_dtype, device=config.device)
+        if config.use_transposed_weights:
+            model.use_transposed_weights()
         self.model = model
         self.drafter = drafter
         self.spec = spec

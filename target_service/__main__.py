@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 from tandem import __version__, security, serving, telemetry
@@ -85,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="plain greedy decode steps (no draft, or K=0) launch the next step before the "
         "last one is read (default: on)",
     )
+    p.add_argument(
+        "--transposed-weights",
+        action=argparse.BooleanOptionalAction,
+        default=(  # unset: None, on for CUDA devices
+            env("TANDEM_TARGET_TRANSPOSED_WEIGHTS", True)
+            if "TANDEM_TARGET_TRANSPOSED_WEIGHTS" in os.environ
+            else None
+        ),
+        help="store the target's projection weights transposed, the faster GEMM layout for "
+        "decoding on Hopper (default: on for CUDA devices)",
+    )
     p.add_argument("--reflection", action="store_true")
     p.add_argument("--grace", type=float, default=float(env("TANDEM_TARGET_GRACE", "10")))
     p.add_argument("--log-level", default=env("TANDEM_LOG_LEVEL", "INFO"))
@@ -136,6 +148,7 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
             simulate_accept_length=accept_length,
             spec_policy=a.spec_policy,
             overlap=a.overlap,
+            transposed_weights=a.transposed_weights,
         ),
         host=a.host,
         port=a.port,

@@ -235,6 +235,22 @@ class DecoderLM(nn.Module):
         captured[num_layers] = hidden
         return ForwardOutput(hidden=hidden, captured=[captured[i] for i in capture_layers])
 
+    def use_transposed_weights(self) -> int:
+        """Stores every projection's weight as the transpose of a contiguous [in, out] tensor
+        (its shape stays [out, in], so loading, state dicts and ``F.linear`` see no change):
+        ``F.linear(x, W)`` then multiplies by a row-major ``W^T``, which cuBLAS runs faster
+        than the [out, in] layout at decode sizes on an H100 (M = 1: gate_up 79 against 86 us,
+        lm_head 356 against 377 us). A tied lm_head keeps the embedding's layout. Returns the
+        weights moved. Call it before CUDA graphs are captured."""
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        moved = 0
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and not (module is self.lm_head and tied):
+                weight = module.weight.detach()
+                module.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+                moved += 1
+        return moved
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32 logits."""
         return self.lm_head(hidden).float()

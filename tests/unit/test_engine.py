@@ -44,8 +44,9 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
         {"page_size": 16},
         {"page_size": 1, "max_num_batched_tokens": 8},  # prompts chunked, mixed with decodes
         {"page_size": 3, "num_pages": 24, "max_num_seqs": 4},  # pool tight: preemptions
+        {"page_size": 16, "transposed_weights": True},  # the CUDA default layout
     ],
-    ids=["plain", "chunked", "preempting"],
+    ids=["plain", "chunked", "preempting", "transposed"],
 )
 def test_greedy_batch_equals_transformers_generate(ckpt: Path, overrides: dict[str, Any]) -> None:
     eng = engine(ckpt, **overrides)

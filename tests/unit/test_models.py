@@ -228,3 +228,22 @@ def test_bad_checkpoints_are_refused_with_reasons(tmp_path: Path) -> None:
     (path / "model.safetensors").rename(path / "weights.bin")
     with pytest.raises(CheckpointError, match="safetensors"):
         load_model(path)
+
+
+def test_transposed_weights_keep_shapes_values_and_tied_heads(tmp_path: Path) -> None:
+    """``use_transposed_weights`` changes only the storage of every projection: same shape and
+    values, [in, out] row-major underneath; a tied lm_head stays the embedding itself."""
+    for arch, tied in (("llama", False), ("qwen2", True)):
+        path = make_checkpoint(tmp_path / arch, arch, seed=5, tie_word_embeddings=tied)
+        model = load_model(path, dtype=torch.float32, device="cpu")
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        moved = model.use_transposed_weights()
+        assert moved == len(linears) - (1 if tied else 0)
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        for m in linears:
+            if tied and m is model.lm_head:
+                assert m.weight is model.embed_tokens.weight and m.weight.is_contiguous()
+            else:
+                assert m.weight.t().is_contiguous() and not m.weight.is_contiguous()
