@@ -31,7 +31,10 @@ _LOG2E = 1.4426950408889634
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@triton.jit(do_not_specialize=["num_q_tiles", "num_splits"])
+# Per-call values are not specialised: Triton compiles a variant per int argument that is 1 or
+# a multiple of 16, and the page table's row stride (its width: the longest request's pages)
+# crosses those classes as contexts grow, costing a compile (about a second) mid-serving.
+@triton.jit(do_not_specialize=["num_q_tiles", "num_splits", "stride_pt", "stride_mt"])
 def _tree_attention_kernel(
     q_ptr: tl.tensor,  # [num_tokens, num_heads, head_dim]
     k_ptr: tl.tensor,  # [num_slots, num_kv_heads, head_dim]

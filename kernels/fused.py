@@ -55,7 +55,7 @@ def _round(x: tl.tensor, dtype: tl.constexpr) -> tl.tensor:
     return x.to(dtype).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # per-step values: no recompiles
 def _rms_norm_kernel(
     x_ptr: tl.tensor,  # [num_rows, hidden] (row stride x_stride, unit column stride)
     residual_ptr: tl.tensor,  # [num_rows, hidden] (ADD only)
