@@ -73,6 +73,9 @@ class DraftState(enum.IntEnum):
     UNHEALTHY = common_pb2.DRAFT_STATE_UNHEALTHY  # late, or gone and reconnecting
 
 
+_Sent = tuple[int, "asyncio.Future[draft_pb2.SpeculateResponse | None] | None"]
+
+
 @dataclass(frozen=True)
 class _Submission:
     """One lane's message on the stream, until its lane collects it."""
@@ -82,10 +85,15 @@ class _Submission:
     # Resolved by the reader with the response (None when the stream broke); None when the
     # answer will be discarded (sent behind a late one) or nothing was sent.
     answer: asyncio.Future[draft_pb2.SpeculateResponse | None] | None
+    # While the client's loop still builds and writes the message (``submit`` does not wait
+    # for it): what ``_send`` returns, (step_id, answer), once it is out.
+    sending: concurrent.futures.Future[_Sent] | None = None
 
 
 class RemoteDrafter(Drafter):
     """A Drafter whose trees come from a draft service at ``address`` (HOST:PORT)."""
+
+    remote = True  # the exchange paces what it sends per step
 
     def __init__(
         self,
@@ -160,21 +168,36 @@ class RemoteDrafter(Drafter):
         outcomes: Sequence[VerifyOutcome],
         released: Sequence[str],
     ) -> None:
+        """Hands the message to the client's loop and returns: the engine thread goes on
+        (launches the next step) while the loop serialises the features and writes them.
+        Messages go out in submission order; ``collect`` and ``in_flight`` see the send."""
         if self._closed:
             raise RuntimeError("RemoteDrafter is closed")
         deadline = time.monotonic() + self.deadline_s
         sending = self._submit(self._send(lane, list(admits), list(outcomes), list(released)))
+        self._lanes[lane] = _Submission(0, deadline, None, sending)
+
+    def _sent(self, lane: int, submission: _Submission) -> _Submission:
+        """``submission`` once its message is out (waiting for the send, up to its deadline
+        and a safety margin: a send blocked past that decodes without its answer)."""
+        if submission.sending is None:
+            return submission
+        wait_s = max(0.0, submission.deadline - time.monotonic()) + _SAFETY_S
         try:
-            step_id, answer = sending.result(timeout=self.deadline_s + _SAFETY_S)
+            step_id, answer = submission.sending.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:
             logger.warning("draft step still sending after its deadline; decoding without it")
             step_id, answer = 0, None
-        self._lanes[lane] = _Submission(step_id, deadline, answer)
+        sent = _Submission(step_id, submission.deadline, answer)
+        if lane in self._lanes:
+            self._lanes[lane] = sent
+        return sent
 
     def collect(self, lane: int) -> dict[str, Tree]:
         submission = self._lanes.pop(lane, None)
         if submission is None:
             return {}
+        submission = self._sent(lane, submission)
         if submission.answer is None:
             self.fallback_steps += 1
             return {}
@@ -187,11 +210,13 @@ class RemoteDrafter(Drafter):
 
     def in_flight(self, lane: int) -> bool:
         submission = self._lanes.get(lane)
-        return (
-            submission is not None
-            and submission.answer is not None
-            and (not submission.answer.done())
-        )
+        if submission is None:
+            return False
+        if submission.sending is not None:
+            if not submission.sending.done():
+                return True
+            submission = self._sent(lane, submission)
+        return submission.answer is not None and not submission.answer.done()
 
     def step(
         self,

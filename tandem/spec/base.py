@@ -19,6 +19,10 @@ class Drafter(ABC):
     ``hidden_states`` numbering, concatenated in this order); empty for token-only drafts."""
 
     target_layer_ids: tuple[int, ...] = ()
+    # Whether submissions cross a wire (a draft service): then the exchange paces the features
+    # it sends per step (HELD_BYTES_PER_STEP) so one message stays far below its cap. In
+    # process nothing is serialised, and admissions go out at once.
+    remote: bool = False
     # Time spent in draft model compute (forwards, logits, top-k) so far, host clock; for a
     # remote draft, what its answers reported. Benchmarks subtract it from cycle times.
     model_ns: int = 0

@@ -13,9 +13,10 @@ draft would have applied them one by one), so the draft does no work while the l
 plainly. They go out in one extend when speculation resumes, or, while the features held for
 all requests pass ``HELD_BYTES``, the longest runs go out until half of it is left (that
 answer's trees are unused while K=0 lasts); a request that finishes during K=0 sends nothing.
-Held runs go out at most ``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses
-together does not resume in one message over the stream's cap; a request still holding decodes
-without a tree.
+To a draft service (``Drafter.remote``), waiting admits and held runs go out at most
+``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses together does not resume
+in one message over the stream's cap; a request still holding (or not admitted yet) decodes
+without a tree. In process nothing is serialised: everything due goes out at once.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ class DraftExchange:
             held = self.held[req.request_id]
             # Long held runs go out a few per step: one message stays far below its cap.
             if req.request_id in waiting or (
-                (admits or outcomes) and sent_bytes + held.nbytes > HELD_BYTES_PER_STEP
+                (admits or outcomes) and sent_bytes + held.nbytes > self._step_bytes()
             ):
                 continue
             outcomes.append(self.held.pop(req.request_id).outcome(req.request_id))
@@ -250,8 +251,9 @@ class DraftExchange:
         self, released: list[str], *, admits: bool
     ) -> tuple[list[DraftAdmit], list[str]]:
         """The waiting releases, and (``admits``) the waiting admits, oldest first, up to
-        ``HELD_BYTES_PER_STEP`` of features (at least one). An admit of a request released
-        meanwhile is never sent, nor is its release (the draft never knew it)."""
+        ``HELD_BYTES_PER_STEP`` of features to a draft service (at least one). An admit of a
+        request released meanwhile is never sent, nor is its release (the draft never knew
+        it)."""
         released = [*self._deferred_released, *released]
         self._deferred_released = []
         gone = set(released)
@@ -261,11 +263,15 @@ class DraftExchange:
         size = 0
         while admits and waiting:
             size += _nbytes(waiting[0].features)
-            if taken and size > HELD_BYTES_PER_STEP:
+            if taken and size > self._step_bytes():
                 break
             taken.append(waiting.pop(0))
         self._deferred_admits = waiting
         return taken, [r for r in released if r not in dropped]
+
+    def _step_bytes(self) -> float:
+        """Features sent per step beyond the first update: capped only over a wire."""
+        return HELD_BYTES_PER_STEP if self.drafter.remote else float("inf")
 
     def _held_bytes(self, admits: list[DraftAdmit]) -> int:
         """Features held for the draft: runs, admits waiting, ``admits`` of this step."""

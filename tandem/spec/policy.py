@@ -9,13 +9,15 @@ path), and runs the better one. After ``first_explore_steps`` steps it measures 
 again for one window, then after twice as many, up to every ``explore_steps`` steps: a
 bucket's first windows may carry cold-start costs, and acceptance drifts with the traffic. A
 bucket starts by measuring both. A window of the slower mode costs the time it lost against
-the better one; after the first re-check, the next window waits until that loss is at most
-``explore_budget`` of the time spent in the better mode since (speculation that loses badly is
-rarely measured again).
+the better one; a re-check waits until that loss is at most ``explore_budget`` of the time
+spent in the better mode since (speculation that loses badly is rarely measured again), except
+a bucket's first re-check when the windows' median steps would have decided otherwise (a few
+cold steps decided it), which comes at once.
 
-The first ``settle_steps`` steps after a switch are not measured: the first speculative step
-after K=0 has no trees yet (the draft catches up on the tokens committed meanwhile) and the
-first K=0 step may still verify nothing.
+A new bucket starts in the mode the last step ran (a batch growing or shrinking across a
+bucket boundary keeps its mode until measured). The first ``settle_steps`` steps after a switch
+are not measured: the first speculative step after K=0 has no trees yet (the draft catches up
+on the tokens committed meanwhile) and the first K=0 step may still verify nothing.
 
 The policy only chooses; ``Engine.step`` carries it out (``DraftExchange`` holds the K=0
 outcomes back and hands them to the draft in one extend when speculation resumes). Known
@@ -25,6 +27,7 @@ limit: S, K and N are the deployment's; a lane's choice is between them and K=0.
 from __future__ import annotations
 
 import enum
+import statistics
 from dataclasses import dataclass, field
 
 # Batch sizes are grouped like the graph buckets: the throughput of 9 and 15 requests is alike.
@@ -71,6 +74,10 @@ class _Bucket:
     mode: Mode = Mode.SPECULATE
     measuring: bool = True  # this window's rate is recorded for ``mode``
     rates: dict[Mode, float] = field(default_factory=dict)  # committed tokens per second
+    windows: dict[Mode, tuple[int, int]] = field(default_factory=dict)  # last (tokens, ns)
+    typical: dict[Mode, float] = field(default_factory=dict)  # last window's median step rate
+    step_rates: list[float] = field(default_factory=list)  # this window's, per step
+    contested: bool = False  # the windows' median steps would have decided otherwise
     steps: int = 0  # steps in the current phase (settle + window, or exploit)
     decisions: int = 0  # exploit phases so far (each one doubles the next phase's length)
     tokens: int = 0  # measured so far in this window
@@ -86,10 +93,12 @@ class SpecPolicy:
         self.config = config or PolicyConfig()
         self._buckets: dict[int, _Bucket] = {}
         self.switches = 0  # mode changes so far (tests, logs)
+        self._last = Mode.SPECULATE  # the mode of the last step: a new bucket starts there
 
     def speculate(self, batch_size: int) -> bool:
         """The mode of the next step of a batch this size."""
-        return self._bucket(batch_size).mode is Mode.SPECULATE
+        self._last = self._bucket(batch_size).mode
+        return self._last is Mode.SPECULATE
 
     def record(
         self, batch_size: int, committed_tokens: int, step_ns: int, *, settled: bool = True
@@ -106,8 +115,9 @@ class SpecPolicy:
         if not b.measuring:
             b.ns += step_ns
             interval = min(c.explore_steps, c.first_explore_steps << max(0, b.decisions - 1))
-            # The first decision is checked again at once (its windows may have been cold).
-            paid = b.decisions <= 1 or b.ns * c.explore_budget >= b.debt_ns
+            # A first decision its windows' median steps contradict is checked again at once:
+            # a few cold steps (a first shape, a compile) slow a window's mean, not its median.
+            paid = (b.decisions <= 1 and b.contested) or b.ns * c.explore_budget >= b.debt_ns
             if b.steps >= interval and paid:
                 self._switch(b, _other(b.mode), measuring=True)  # measure the other mode again
             return
@@ -115,19 +125,29 @@ class SpecPolicy:
             return
         b.tokens += committed_tokens
         b.ns += step_ns
+        b.step_rates.append(committed_tokens / max(step_ns, 1) * 1e9)
         if b.steps < c.settle_steps + c.window_steps:
             return
         b.rates[b.mode] = b.tokens / max(b.ns, 1) * 1e9
+        b.windows[b.mode] = (b.tokens, b.ns)
+        b.typical[b.mode] = statistics.median(b.step_rates)
         other = _other(b.mode)
         if other not in b.rates:  # a new bucket: measure the other mode too
             self._switch(b, other, measuring=True)
             return
-        spec, plain = b.rates[Mode.SPECULATE], b.rates[Mode.PLAIN]
-        best = Mode.SPECULATE if spec > plain * c.margin else Mode.PLAIN
-        # This window's tokens in the better mode would have taken tokens / rate.
-        b.debt_ns = max(0.0, b.ns - b.tokens / b.rates[best] * 1e9) if best is not b.mode else 0.0
+        best = self._better(b.rates)
+        # The slower mode's last window: its tokens in the better mode would have taken
+        # tokens / rate; what it took beyond that is the debt the next re-check waits on.
+        tokens, ns = b.windows[_other(best)]
+        b.debt_ns = max(0.0, ns - tokens / max(b.rates[best], 1e-9) * 1e9)
+        b.contested = self._better(b.typical) is not best
         b.decisions += 1
         self._switch(b, best, measuring=False)
+
+    def _better(self, rates: dict[Mode, float]) -> Mode:
+        """Speculation when it beats plain decoding by the margin."""
+        spec, plain = rates[Mode.SPECULATE], rates[Mode.PLAIN]
+        return Mode.SPECULATE if spec > plain * self.config.margin else Mode.PLAIN
 
     def rates(self, batch_size: int) -> dict[str, float]:
         """The bucket's last measured tokens/s per mode ("speculate", "plain")."""
@@ -135,13 +155,19 @@ class SpecPolicy:
 
     def _bucket(self, batch_size: int) -> _Bucket:
         key = next((b for b in _BUCKETS if b >= batch_size), _BUCKETS[-1])
-        return self._buckets.setdefault(key, _Bucket())
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            # A batch that grows or shrinks into a new bucket keeps its mode while the bucket
+            # measures it first: switching would cost a catch-up (or a drain) for nothing.
+            bucket = self._buckets[key] = _Bucket(mode=self._last)
+        return bucket
 
     def _switch(self, b: _Bucket, mode: Mode, *, measuring: bool) -> None:
         if mode is not b.mode:
             self.switches += 1
         b.mode, b.measuring = mode, measuring
         b.steps = b.tokens = b.ns = b.unsettled = 0
+        b.step_rates = []
 
 
 class NeverSpeculate(SpecPolicy):
