@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engine's context bound (graph split counts follow it); default: just enough",
+    )
+    p.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=max(args.batch_size, 1),
-        max_model_len=total,
+        max_model_len=args.max_model_len or total,
         num_pages=args.batch_size * (-(-total // 16) + 1) + 8,
         cuda_graphs=on_cuda and not args.no_graphs,
         overlap=args.overlap,

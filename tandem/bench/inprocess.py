@@ -9,9 +9,10 @@ verification waits for the forward anyway, so this moves time between columns, n
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -119,10 +120,19 @@ class _Steps:
     total: list[int]
     forward: list[int]
     draft: list[int]
+    log: list[dict[str, Any]] = field(default_factory=list)  # every step (steps_file)
 
 
-def run(engine: Engine, mode: str, batch_size: int, w: Workload, num_positions: int) -> Row:
-    """Warm-up, then ``w.rounds`` rounds of ``batch_size`` concurrent requests."""
+def run(
+    engine: Engine,
+    mode: str,
+    batch_size: int,
+    w: Workload,
+    num_positions: int,
+    steps_file: Path | None = None,
+) -> Row:
+    """Warm-up, then ``w.rounds`` rounds of ``batch_size`` concurrent requests; with
+    ``steps_file``, every measured step as one JSON line (mode, requests, tokens, times)."""
     vocab = engine.model.config.vocab_size
     if w.warmup_tokens:
         _round(engine, prompts(vocab, batch_size, w.prompt_len, salt=99), w.warmup_tokens)
@@ -152,6 +162,8 @@ def run(engine: Engine, mode: str, batch_size: int, w: Workload, num_positions: 
         ),
     )
     fill_latency(row, tpots, ttfts)
+    if steps_file is not None:
+        steps_file.write_text("".join(json.dumps(step) + "\n" for step in steps.log))
     if engine.spec is not None:
         row.draft_ms = median_ms(steps.draft)
         fill_acceptance(row, stats, num_positions)
@@ -203,6 +215,18 @@ def _round(
                 first.setdefault(o.request_id, now)
                 last[o.request_id] = now
         t = engine.last_timing
+        if steps is not None:
+            steps.log.append(
+                {
+                    "speculated": engine.last_speculated,
+                    "running": len(engine.scheduler.running),
+                    "verified": engine.last_stats.verify_steps,
+                    "tokens": sum(len(o.new_token_ids) for o in outputs),
+                    "total_ms": t.total_ns / 1e6,
+                    "forward_ms": t.forward_ns / 1e6,
+                    "draft_model_ms": t.draft_model_ns / 1e6,
+                }
+            )
         if steps is not None and engine.last_stats.verify_steps:  # a decode step
             steps.total.append(t.total_ns)
             steps.forward.append(t.forward_ns)

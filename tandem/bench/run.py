@@ -186,7 +186,13 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
         )
         for bs in config.batch_sizes:
             say(f"{mode} bs={bs}")
-            rows.append(inprocess.run(engine, mode, bs, config.workload, config.spec_steps))
+            steps_file = None
+            if config.log_dir is not None:  # every measured step, as services-control writes
+                config.log_dir.mkdir(parents=True, exist_ok=True)
+                steps_file = config.log_dir / f"{mode}-bs{bs}.jsonl"
+            rows.append(
+                inprocess.run(engine, mode, bs, config.workload, config.spec_steps, steps_file)
+            )
             say(_done(rows[-1]))
         del engine
         _free()

@@ -1,0 +1,180 @@
+"""Where a speculative step's host time goes, in process.
+
+Writes (or reuses) a preset's random checkpoints (target and EAGLE-3 head), builds the
+benchmark's in-process ``Engine`` with simulated acceptance, runs a warm-up round, then one
+measured round of ``--batch-size`` requests with every phase of the step timed on the host
+(the draft's collect and submit, scheduling, input preparation, the forward's launch, the
+verification's device work and host read, commit, postprocess) and a ``cProfile`` of the round.
+``--policy adaptive`` also prints, per step, the mode the policy chose and the step's time, so
+a round's losses can be placed (admissions, the draft's catch-up, exploration windows).
+
+    python bench/profile_spec.py --preset llama-3.1-8b --device cuda --batch-size 32 [--top 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from profile_decode import PhaseTimer
+
+from tandem.bench.inprocess import Workload, build_engine, pages_needed, prompts
+from tandem.bench.models import write_preset
+from tandem.bench.presets import PRESETS
+from tandem.sampling import SamplingParams
+from tandem.spec.types import SpecConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
+    p.add_argument("--models-dir", type=Path, default=Path("/tmp/tandem-bench-models"))
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--warmup-tokens", type=int, default=64)
+    p.add_argument("--spec-steps", type=int, default=3)
+    p.add_argument("--simulate-accept-length", type=float, default=3.0)
+    p.add_argument("--policy", default="fixed", choices=["fixed", "adaptive", "k0"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: the preset's")
+    p.add_argument("--top", type=int, default=30, help="cProfile rows (by own time)")
+    p.add_argument("--first-calls", type=int, default=8, help="per phase, calls shown one by one")
+    p.add_argument("--no-cprofile", action="store_true", help="phase timers only")
+    args = p.parse_args(argv)
+
+    preset = PRESETS[args.preset]
+    dtype = args.dtype or preset.dtype
+    root = args.models_dir / f"{preset.name}-{dtype}"
+    paths = write_preset(preset, root, device=args.device, dtype=dtype)
+    spec = SpecConfig(num_steps=args.spec_steps)
+    w = Workload(
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        warmup_tokens=args.warmup_tokens,
+        rounds=1,
+    )
+    bs = args.batch_size
+    engine = build_engine(
+        paths.target,
+        paths.draft,
+        spec=spec,
+        device=args.device,
+        dtype=dtype,
+        page_size=16,
+        num_pages=pages_needed(bs, w, spec.tree_size, 16),
+        max_batch=bs,
+        simulate_accept_length=args.simulate_accept_length,
+        spec_policy=args.policy,
+    )
+    vocab = engine.model.config.vocab_size
+
+    def round_(salt: int, tokens: int) -> float:
+        params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+        start = time.perf_counter()
+        ids = [engine.add_request(q, params) for q in prompts(vocab, bs, args.prompt_len, salt)]
+        while engine.has_unfinished():
+            engine.step()
+            if log is not None:
+                t = engine.last_timing
+                log.append(
+                    (
+                        engine.last_speculated,
+                        engine.last_stats.verify_steps,
+                        sum(1 for r in engine.scheduler.running),
+                        t.total_ns / 1e6,
+                        t.forward_ns / 1e6,
+                        t.draft_model_ns / 1e6,
+                    )
+                )
+        engine.flush_draft()
+        for i in ids:
+            engine.pop_finished(i)
+        return time.perf_counter() - start
+
+    log: list[tuple[bool, int, int, float, float, float]] | None = None
+    round_(99, w.warmup_tokens)
+    timer = PhaseTimer()
+    ex = engine.exchange
+    assert ex is not None
+    for obj, attr, phase in (
+        (ex, "collect_idle", "draft collect_idle"),
+        (ex, "collect", "draft collect"),
+        (ex, "submit", "draft submit"),
+        (engine.drafter, "step", "  drafter.step"),
+        (engine.drafter, "_extend", "    drafter._extend"),
+        (engine.drafter, "_draft", "    drafter._draft"),
+        (engine.drafter, "_run", "      drafter._run (eager)"),
+        (engine.scheduler, "schedule", "schedule"),
+        (engine.runner, "prepare", "prepare"),
+        (engine.runner, "forward", "forward (+sync)"),
+        (engine, "_verify", "verify"),
+        (engine, "_commit", "commit"),
+        (engine.scheduler, "postprocess", "postprocess"),
+    ):
+        timer.wrap(obj, attr, phase)
+    graphs = getattr(engine.drafter, "graphs", None)
+    extends: list[str] = []  # the first graph extends: updates, left eager, longest run
+    if graphs is not None:
+        extend = graphs.extend
+
+        def logged(updates: Any, starts: Any) -> Any:
+            rest = extend(updates, starts)
+            if len(extends) < args.first_calls:
+                longest = max((len(u[1]) for u in updates), default=0)
+                zero = sum(1 for u in updates if starts[u[0]] == 0)
+                extends.append(f"{len(updates)}/{len(rest)}/{longest}/{zero}")
+            return rest
+
+        graphs.extend = logged
+    log = []
+    prof = cProfile.Profile()
+    if not args.no_cprofile:
+        prof.enable()
+    wall = round_(1, w.new_tokens)
+    prof.disable()
+
+    spec_steps = [row for row in log if row[0] and row[1]]
+    print(
+        f"device {torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}, "
+        f"bs {bs}, policy {args.policy}, round {wall * 1e3:.1f} ms, {len(log)} steps, "
+        f"{len(spec_steps)} speculative"
+    )
+    if spec_steps:
+        for name, col in (("step", 3), ("forward", 4), ("draft model", 5)):
+            ms = statistics.median(r[col] for r in spec_steps)
+            print(f"median speculative {name:12s} {ms:8.3f} ms")
+    print("host ms per call (median, calls, total ms; then the first calls):")
+    for phase, ns in timer.ns.items():
+        first = " ".join(f"{t / 1e6:.1f}" for t in ns[: args.first_calls])
+        print(
+            f"  {phase:24s} {statistics.median(ns) / 1e6:8.3f} {len(ns):6d} "
+            f"{sum(ns) / 1e6:9.1f}   {first}"
+        )
+    if graphs is not None:
+        print(f"first graph extends (updates/left eager/longest run/admits): {' '.join(extends)}")
+        replays = dict(graphs.replays)
+        print(f"draft graphs: replays {replays}, eager chain steps {graphs.eager_steps}")
+    if args.policy != "fixed":
+        print("steps: mode verify_steps running total_ms forward_ms draft_ms")
+        for spec_mode, verified, running, total, fwd, draft in log:
+            mode = "spec" if spec_mode else "k0  "
+            print(f"  {mode} {verified:4d} {running:4d} {total:9.2f} {fwd:8.2f} {draft:8.2f}")
+    if args.no_cprofile:
+        return
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("cumulative").print_stats(r"tandem/|kernels/", args.top)
+    print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
