@@ -16,7 +16,8 @@ answer's trees are unused while K=0 lasts); a request that finishes during K=0 s
 To a draft service (``Drafter.remote``), waiting admits and held runs go out at most
 ``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses together does not resume
 in one message over the stream's cap; a request still holding (or not admitted yet) decodes
-without a tree. In process nothing is serialised: everything due goes out at once.
+without a tree. In process nothing is serialised: a speculating step sends everything due at
+once, and only K=0 flushes (past ``HELD_BYTES``) are paced, to spread their draft work.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class DraftExchange:
 
     def flush(self, released: list[str], lane: int) -> None:
         """Collects every outstanding answer; then tells the draft about ``released``."""
-        admits, released = self._take_deferred(released, admits=True)
+        admits, released = self._take_deferred(released, admits=True, budget=float("inf"))
         assert not admits and not self._deferred_admits, "a deferred admit outlived its request"
         for request_id in released:
             self.held.pop(request_id, None)
@@ -173,7 +174,8 @@ class DraftExchange:
             self._deferred_released += released
             self._stale(tracked)
             return
-        admits, released = self._take_deferred(released, admits=draft or over)
+        budget = self._step_bytes(draft)
+        admits, released = self._take_deferred(released, admits=draft or over, budget=budget)
         sent_bytes = sum(_nbytes(a.features) for a in admits)
         waiting = {a.request_id for a in self._deferred_admits}
         due = [req for req, _, _ in tracked] if draft else self._overflow(tracked)
@@ -181,7 +183,7 @@ class DraftExchange:
             held = self.held[req.request_id]
             # Long held runs go out a few per step: one message stays far below its cap.
             if req.request_id in waiting or (
-                (admits or outcomes) and sent_bytes + held.nbytes > self._step_bytes()
+                (admits or outcomes) and sent_bytes + held.nbytes > budget
             ):
                 continue
             outcomes.append(self.held.pop(req.request_id).outcome(req.request_id))
@@ -248,12 +250,11 @@ class DraftExchange:
             req.tree = tree.prefix(max(1, room - req.num_computed))
 
     def _take_deferred(
-        self, released: list[str], *, admits: bool
+        self, released: list[str], *, admits: bool, budget: float
     ) -> tuple[list[DraftAdmit], list[str]]:
         """The waiting releases, and (``admits``) the waiting admits, oldest first, up to
-        ``HELD_BYTES_PER_STEP`` of features to a draft service (at least one). An admit of a
-        request released meanwhile is never sent, nor is its release (the draft never knew
-        it)."""
+        ``budget`` bytes of features (at least one). An admit of a request released meanwhile
+        is never sent, nor is its release (the draft never knew it)."""
         released = [*self._deferred_released, *released]
         self._deferred_released = []
         gone = set(released)
@@ -263,15 +264,18 @@ class DraftExchange:
         size = 0
         while admits and waiting:
             size += _nbytes(waiting[0].features)
-            if taken and size > self._step_bytes():
+            if taken and size > budget:
                 break
             taken.append(waiting.pop(0))
         self._deferred_admits = waiting
         return taken, [r for r in released if r not in dropped]
 
-    def _step_bytes(self) -> float:
-        """Features sent per step beyond the first update: capped only over a wire."""
-        return HELD_BYTES_PER_STEP if self.drafter.remote else float("inf")
+    def _step_bytes(self, draft: bool) -> float:
+        """Features sent per step beyond the first update: ``HELD_BYTES_PER_STEP`` over a wire
+        (one message stays far below its cap) and for K=0 flushes (nothing waits for them,
+        so their draft work is spread over steps); everything due when an in-process draft
+        is about to draft (its trees are wanted at the next step)."""
+        return float("inf") if draft and not self.drafter.remote else HELD_BYTES_PER_STEP
 
     def _held_bytes(self, admits: list[DraftAdmit]) -> int:
         """Features held for the draft: runs, admits waiting, ``admits`` of this step."""

@@ -229,6 +229,30 @@ def test_held_runs_resume_a_few_per_step(
     _assert_clean(engine)
 
 
+@pytest.mark.parametrize("remote", [False, True])
+def test_admits_wait_only_for_a_wire(
+    ckpts: Checkpoints, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch, remote: bool
+) -> None:
+    """Speculating, an in-process draft gets every admit when its prompt completes; to a draft
+    service (``Drafter.remote``) admits go out within the per-step byte budget (here one per
+    step), so some wait a step."""
+    from tandem.spec import exchange
+
+    monkeypatch.setattr(exchange, "HELD_BYTES_PER_STEP", 1)
+    engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
+    assert engine.drafter is not None and engine.exchange is not None
+    engine.drafter.remote = remote
+    ids = [engine.add_request(p, greedy()) for p in ragged_prompts()]
+    waiting = []
+    while engine.has_unfinished():
+        engine.step()
+        waiting.append(len(engine.exchange._deferred_admits))
+    engine.flush_draft()
+    assert [engine.pop_finished(i).token_ids for i in ids] == reference
+    assert (max(waiting) > 0) is remote, waiting
+    _assert_clean(engine)
+
+
 def test_a_decision_from_a_cold_window_is_checked_again_soon() -> None:
     """The first speculative window of a bucket is slow (a cold start: its first two steps
     take 40 ms), so plain decoding wins the first decision; its typical step is fast, so the
