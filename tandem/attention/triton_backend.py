@@ -20,6 +20,7 @@ import torch
 from kernels.attention import default_num_splits, pack_tree_mask, tree_attention
 from kernels.kv import store_kv
 from tandem.attention.metadata import AttentionMetadata, GraphMetadata
+from tandem.kv import to_device
 
 _WORD_BITS = 64
 
@@ -202,4 +203,4 @@ def mask_inputs(
 
 
 def _upload(values: list[int], device: torch.device) -> torch.Tensor:  # [len(values)] int64
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=torch.int64), device)

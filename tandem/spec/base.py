@@ -21,7 +21,7 @@ class Drafter(ABC):
     target_layer_ids: tuple[int, ...] = ()
     # Whether submissions cross a wire (a draft service): then the exchange paces the features
     # it sends per step (HELD_BYTES_PER_STEP) so one message stays far below its cap. In
-    # process nothing is serialised, and admissions go out at once.
+    # process a speculating step sends everything due at once (only K=0 flushes are paced).
     remote: bool = False
     # Time spent in draft model compute (forwards, logits, top-k) so far, host clock; for a
     # remote draft, what its answers reported. Benchmarks subtract it from cycle times.

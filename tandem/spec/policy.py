@@ -73,7 +73,6 @@ class _Bucket:
 
     mode: Mode = Mode.SPECULATE
     measuring: bool = True  # this window's rate is recorded for ``mode``
-    rates: dict[Mode, float] = field(default_factory=dict)  # committed tokens per second
     windows: dict[Mode, tuple[int, int]] = field(default_factory=dict)  # last (tokens, ns)
     typical: dict[Mode, float] = field(default_factory=dict)  # last window's median step rate
     step_rates: list[float] = field(default_factory=list)  # this window's, per step
@@ -84,6 +83,11 @@ class _Bucket:
     ns: int = 0  # the window's time, or (exploiting) the time since the decision
     debt_ns: float = 0.0  # what the last window of the slower mode lost against the better
     unsettled: int = 0  # steps of this window skipped while the draft caught up
+
+    @property
+    def rates(self) -> dict[Mode, float]:
+        """Committed tokens per second of each mode's last window."""
+        return {mode: tokens / max(ns, 1) * 1e9 for mode, (tokens, ns) in self.windows.items()}
 
 
 class SpecPolicy:
@@ -128,18 +132,18 @@ class SpecPolicy:
         b.step_rates.append(committed_tokens / max(step_ns, 1) * 1e9)
         if b.steps < c.settle_steps + c.window_steps:
             return
-        b.rates[b.mode] = b.tokens / max(b.ns, 1) * 1e9
         b.windows[b.mode] = (b.tokens, b.ns)
         b.typical[b.mode] = statistics.median(b.step_rates)
         other = _other(b.mode)
-        if other not in b.rates:  # a new bucket: measure the other mode too
+        if other not in b.windows:  # a new bucket: measure the other mode too
             self._switch(b, other, measuring=True)
             return
-        best = self._better(b.rates)
+        rates = b.rates
+        best = self._better(rates)
         # The slower mode's last window: its tokens in the better mode would have taken
         # tokens / rate; what it took beyond that is the debt the next re-check waits on.
         tokens, ns = b.windows[_other(best)]
-        b.debt_ns = max(0.0, ns - tokens / max(b.rates[best], 1e-9) * 1e9)
+        b.debt_ns = max(0.0, ns - tokens / max(rates[best], 1e-9) * 1e9)
         b.contested = self._better(b.typical) is not best
         b.decisions += 1
         self._switch(b, best, measuring=False)
