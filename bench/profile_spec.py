@@ -7,8 +7,12 @@ measured round of ``--batch-size`` requests with every phase of the step timed o
 verification's device work and host read, commit, postprocess) and a ``cProfile`` of the round.
 ``--policy adaptive`` also prints, per step, the mode the policy chose and the step's time, so
 a round's losses can be placed (admissions, the draft's catch-up, exploration windows).
+``--draft-service`` runs the draft as the draft service in its own process (loopback) behind a
+``RemoteDrafter``, as the target service does, and splits each cycle's wait for the draft into
+the client's hand-off and send, the wire, the draft service's own time and the answer's way back.
 
     python bench/profile_spec.py --preset llama-3.1-8b --device cuda --batch-size 32 [--top 30]
+    python bench/profile_spec.py --batch-size 8 --draft-service --no-cprofile
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import io
 import pstats
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,10 @@ from profile_decode import PhaseTimer
 from tandem.bench.inprocess import Workload, build_engine, pages_needed, prompts
 from tandem.bench.models import write_preset
 from tandem.bench.presets import PRESETS
+from tandem.demo import free_port
+from tandem.draft_client import RemoteDrafter
+from tandem.launch import Stack, build_stack
+from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 from tandem.spec.types import SpecConfig
 
@@ -48,6 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=30, help="cProfile rows (by own time)")
     p.add_argument("--first-calls", type=int, default=8, help="per phase, calls shown one by one")
     p.add_argument("--no-cprofile", action="store_true", help="phase timers only")
+    p.add_argument(
+        "--draft-service",
+        action="store_true",
+        help="the draft as a service in its own process, reached through a RemoteDrafter",
+    )
     args = p.parse_args(argv)
 
     preset = PRESETS[args.preset]
@@ -62,18 +76,135 @@ def main(argv: list[str] | None = None) -> None:
         rounds=1,
     )
     bs = args.batch_size
-    engine = build_engine(
-        paths.target,
-        paths.draft,
-        spec=spec,
+    stack, remote = None, None
+    if args.draft_service:
+        stack, remote = start_draft_service(paths.target, paths.draft, args, dtype, bs, w)
+    try:
+        engine = build_engine(
+            paths.target,
+            paths.draft,
+            spec=spec,
+            device=args.device,
+            dtype=dtype,
+            page_size=16,
+            num_pages=pages_needed(bs, w, spec.tree_size, 16),
+            max_batch=bs,
+            simulate_accept_length=args.simulate_accept_length,
+            spec_policy=args.policy,
+            drafter=remote,
+        )
+        profile(engine, args, w, remote)
+    finally:
+        if remote is not None:
+            remote.close()
+        if stack is not None:
+            stack.stop()
+
+
+def start_draft_service(
+    target: Path, draft: Path, args: argparse.Namespace, dtype: str, bs: int, w: Workload
+) -> tuple[Stack, RemoteDrafter]:
+    """The draft service alone, as ``tandem bench``'s services rows start it, and a client."""
+    stack = build_stack(
+        target=target,
+        draft=draft,
+        draft_kind="eagle3",
+        mtp_mode="chain",
+        spec_args=[],
+        page_size=16,
         device=args.device,
         dtype=dtype,
-        page_size=16,
-        num_pages=pages_needed(bs, w, spec.tree_size, 16),
-        max_batch=bs,
-        simulate_accept_length=args.simulate_accept_length,
-        spec_policy=args.policy,
+        gateway_port=free_port(),
+        target_port=free_port(),
+        draft_port=free_port(),
     )
+    stack.services = [s for s in stack.services if s.name == "draft"]
+    print("starting the draft service ...", flush=True)
+    stack.start(log_dir=args.models_dir / "profile-spec-logs")
+    layers = ModelConfig.from_pretrained(target).num_layers
+    address = f"127.0.0.1:{stack.services[0].port}"
+    remote = RemoteDrafter(address, num_target_layers=layers, deadline_s=30.0)
+    if not remote.wait_ready(60):
+        remote.close()
+        stack.stop()
+        raise RuntimeError(f"no draft stream to {address}")
+    return stack, remote
+
+
+class RemoteTimeline:
+    """Times one RemoteDrafter's cycle: ``submit`` on the engine thread, the client loop's
+    build and write, the answer's arrival (with the draft's own times in it), ``collect``."""
+
+    def __init__(self, remote: RemoteDrafter) -> None:
+        self.spans: dict[str, list[int]] = defaultdict(list)
+        self._t: dict[str, int] = {}
+        submit, send, on_response, collect = (
+            remote.submit,
+            remote._send,
+            remote._on_response,
+            remote.collect,
+        )
+
+        def timed_submit(*a: Any) -> None:
+            self._t = {"submit": time.perf_counter_ns()}
+            submit(*a)
+            self._t["submitted"] = time.perf_counter_ns()
+
+        async def timed_send(*a: Any) -> Any:
+            self._t["send"] = time.perf_counter_ns()
+            out = await send(*a)
+            self._t["written"] = time.perf_counter_ns()
+            return out
+
+        def timed_on_response(response: Any) -> None:
+            self._t["answer"] = time.perf_counter_ns()
+            self._t["draft_total"] = response.total_ns
+            self._t["draft_step"] = response.draft_ns
+            self._t["draft_model"] = response.model_ns
+            on_response(response)
+
+        def timed_collect(lane: int) -> Any:
+            self._t["collect"] = time.perf_counter_ns()
+            out = collect(lane)
+            self._record(time.perf_counter_ns())
+            return out
+
+        remote.submit = timed_submit  # type: ignore[method-assign]
+        remote._send = timed_send  # type: ignore[method-assign]
+        remote._on_response = timed_on_response  # type: ignore[method-assign]
+        remote.collect = timed_collect  # type: ignore[method-assign]
+
+    def _record(self, collected: int) -> None:
+        t = self._t
+        if not {"submit", "send", "written", "answer"} <= t.keys():
+            return  # nothing went out, or no answer (K=0, late)
+        for name, ns in (
+            ("submit (engine thread)", t["submitted"] - t["submit"]),
+            ("hand-off to the client loop", t["send"] - t["submit"]),
+            ("build + write the message", t["written"] - t["send"]),
+            ("written -> answer, less the draft's", t["answer"] - t["written"] - t["draft_total"]),
+            ("draft service, receipt to answer", t["draft_total"]),
+            ("  of which Drafter.step", t["draft_step"]),
+            ("    of which the draft model", t["draft_model"]),
+            ("answer -> collect returns", collected - max(t["answer"], t["collect"])),
+            ("engine between submit and collect", t["collect"] - t["submitted"]),
+            ("submit -> collect returns", collected - t["submit"]),
+        ):
+            self.spans[name].append(ns)
+        self._t = {}
+
+    def print(self) -> None:
+        print("draft service cycle, host ms (median, p90, cycles):")
+        for name, ns in self.spans.items():
+            ns = sorted(ns)
+            p90 = ns[int(0.9 * (len(ns) - 1))]
+            print(f"  {name:38s} {statistics.median(ns) / 1e6:8.3f} {p90 / 1e6:8.3f} {len(ns):6d}")
+
+
+def profile(
+    engine: Any, args: argparse.Namespace, w: Workload, remote: RemoteDrafter | None
+) -> None:
+    bs = args.batch_size
     vocab = engine.model.config.vocab_size
 
     def round_(salt: int, tokens: int) -> float:
@@ -104,14 +235,18 @@ def main(argv: list[str] | None = None) -> None:
     timer = PhaseTimer()
     ex = engine.exchange
     assert ex is not None
-    for obj, attr, phase in (
-        (ex, "collect_idle", "draft collect_idle"),
-        (ex, "collect", "draft collect"),
-        (ex, "submit", "draft submit"),
+    drafter_phases = [
         (engine.drafter, "step", "  drafter.step"),
         (engine.drafter, "_extend", "    drafter._extend"),
         (engine.drafter, "_draft", "    drafter._draft"),
         (engine.drafter, "_run", "      drafter._run (eager)"),
+    ]
+    timeline = None if remote is None else RemoteTimeline(remote)
+    for obj, attr, phase in (
+        (ex, "collect_idle", "draft collect_idle"),
+        (ex, "collect", "draft collect"),
+        (ex, "submit", "draft submit"),
+        *(drafter_phases if remote is None else []),
         (engine.scheduler, "schedule", "schedule"),
         (engine.runner, "prepare", "prepare"),
         (engine.runner, "forward", "forward (+sync)"),
@@ -162,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"first graph extends (updates/left eager/longest run/admits): {' '.join(extends)}")
         replays = dict(graphs.replays)
         print(f"draft graphs: replays {replays}, eager chain steps {graphs.eager_steps}")
+    if timeline is not None:
+        timeline.print()
     if args.policy != "fixed":
         print("steps: mode verify_steps running total_ms forward_ms draft_ms")
         for spec_mode, verified, running, total, fwd, draft in log:

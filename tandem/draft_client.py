@@ -42,14 +42,14 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
 import torch
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
-from tandem import wire
+from tandem import transfer, wire
 from tandem.draft_stream import StreamState
 from tandem.errors import InvalidRequest
 from tandem.security import ClientTLS, open_channel
@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 T = TypeVar("T")
 _SAFETY_S = 1.0  # beyond the deadline, the engine thread stops waiting even for a blocked send
+_COPY_POLL_S = 50e-6  # between looks at a step's device-to-host feature copy
 
 
 class DraftState(enum.IntEnum):
@@ -174,8 +175,26 @@ class RemoteDrafter(Drafter):
         if self._closed:
             raise RuntimeError("RemoteDrafter is closed")
         deadline = time.monotonic() + self.deadline_s
-        sending = self._submit(self._send(lane, list(admits), list(outcomes), list(released)))
+        admits, outcomes, copied = self._features_to_host(admits, outcomes)
+        sending = self._submit(self._send(lane, admits, outcomes, list(released), copied))
         self._lanes[lane] = _Submission(0, deadline, None, sending)
+
+    def _features_to_host(
+        self, admits: Sequence[DraftAdmit], outcomes: Sequence[VerifyOutcome]
+    ) -> tuple[list[DraftAdmit], list[VerifyOutcome], torch.cuda.Event | None]:
+        """The step's features on the host in the draft's dtype, in one copy that the engine
+        thread does not wait for (the event marks it done; the client's loop waits)."""
+        items: list[DraftAdmit | VerifyOutcome] = [*admits, *outcomes]
+        staged = [x for x in items if x.features is not None]
+        if not staged:
+            return list(admits), list(outcomes), None
+        host, copied = transfer.to_host(
+            [x.features for x in staged],  # type: ignore[misc]
+            self._stream.hidden_dtype,
+        )
+        moved = {id(x): replace(x, features=h) for x, h in zip(staged, host, strict=True)}
+        new = [moved.get(id(x), x) for x in items]
+        return new[: len(admits)], new[len(admits) :], copied  # type: ignore[return-value]
 
     def _sent(self, lane: int, submission: _Submission) -> _Submission:
         """``submission`` once its message is out (waiting for the send, up to its deadline
@@ -257,9 +276,13 @@ class RemoteDrafter(Drafter):
         admits: list[DraftAdmit],
         outcomes: list[VerifyOutcome],
         released: list[str],
+        copied: torch.cuda.Event | None = None,
     ) -> tuple[int, asyncio.Future[draft_pb2.SpeculateResponse | None] | None]:
-        """Sends one lane's step; its step_id and the future its answer resolves (None when
-        nothing was sent or the answer will be discarded)."""
+        """Sends one lane's step once its features are on the host (``copied``); its step_id
+        and the future its answer resolves (None when nothing was sent or the answer will be
+        discarded)."""
+        while copied is not None and not copied.query():
+            await asyncio.sleep(_COPY_POLL_S)  # the reader keeps running meanwhile
         call = self._call
         if call is None:
             self._report_dropped([a.request_id for a in admits])

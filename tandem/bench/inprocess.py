@@ -25,6 +25,7 @@ from tandem.models import DecoderLM
 from tandem.models.config import ModelConfig
 from tandem.runner import ModelInputs, ModelRunner
 from tandem.sampling import SamplingParams
+from tandem.spec.base import Drafter
 from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig, SpecStats
 
@@ -84,9 +85,11 @@ def build_engine(
     draft_kind: str = "eagle3",
     spec_policy: str = "fixed",
     overlap: bool = True,
+    drafter: Drafter | None = None,
 ) -> Engine:
     """An engine over ``model`` (loaded from ``target`` when None), speculating with
-    ``spec``; its forward synchronised on CUDA but in steps decoding ahead (``overlap``)."""
+    ``spec`` through ``drafter`` (default: the in-process drafter of ``draft``); its forward
+    synchronised on CUDA but in steps decoding ahead (``overlap``)."""
     config = EngineConfig(
         model=target,
         dtype=dtype,
@@ -98,8 +101,7 @@ def build_engine(
         spec_policy=spec_policy if spec is not None else "fixed",
         overlap=overlap,
     )
-    drafter = None
-    if spec is not None:
+    if spec is not None and drafter is None:
         draft_config = DraftConfig(
             kind=draft_kind,
             path=draft,

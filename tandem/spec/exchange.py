@@ -64,11 +64,15 @@ class DraftExchange:
         # Waiting for a lane with no answer outstanding (K=0 steps never wait on the draft).
         self._deferred_admits: list[DraftAdmit] = []
         self._deferred_released: list[str] = []
+        # Lanes whose outstanding answer drafts over held runs or admits (a catch-up).
+        self._catching_up_lanes: set[int] = set()
 
     @property
     def catching_up(self) -> bool:
-        """Whether K=0 left the draft behind: runs or admits still waiting to go out."""
-        return bool(self.held or self._deferred_admits)
+        """Whether K=0 left the draft behind: runs or admits still waiting to go out, or an
+        answer still to collect that catches up on them (the step that collects it waits for
+        the draft's extend over everything K=0 held)."""
+        return bool(self.held or self._deferred_admits or self._catching_up_lanes)
 
     def other_lane_in_flight(self, lane: int) -> bool:
         """Whether another lane's trees are being drafted right now."""
@@ -127,6 +131,7 @@ class DraftExchange:
         ``send=False``: the lane still awaits an answer, so nothing goes out this step: held
         runs keep holding and released ids wait for the next submission."""
         self._apply_dropped()
+        behind = bool(self.held or self._deferred_admits)  # before this step's outcomes
         admits: list[DraftAdmit] = []
         outcomes: list[VerifyOutcome] = []
         tracked: list[tuple[Request, Verified, list[int]]] = []  # (request, outcome, rows)
@@ -208,6 +213,8 @@ class DraftExchange:
         self.drafter.submit(lane, admits, outcomes, released)
         self.wait_ns += time.perf_counter_ns() - started
         self.awaiting[lane] = awaiting
+        if draft and behind:
+            self._catching_up_lanes.add(lane)
 
     def _overflow(self, tracked: list[tuple[Request, Verified, list[int]]]) -> list[Request]:
         """During K=0: the requests whose held runs go out now, longest first, while all held
@@ -226,6 +233,7 @@ class DraftExchange:
 
     def collect(self, lane: int) -> None:
         """Attaches the trees answering the lane's last submission, where still current."""
+        self._catching_up_lanes.discard(lane)
         awaiting = self.awaiting.pop(lane, None)
         if awaiting is None:
             return

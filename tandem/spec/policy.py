@@ -14,6 +14,9 @@ spent in the better mode since (speculation that loses badly is rarely measured 
 a bucket's first re-check when the windows' median steps would have decided otherwise (a few
 cold steps decided it), which comes at once.
 
+The catch-up steps a window skips (below) are no part of its rate, but they are part of
+what measuring that mode cost: when it loses, they count in the debt with its window.
+
 A new bucket starts in the mode the last step ran (a batch growing or shrinking across a
 bucket boundary keeps its mode until measured). The first ``settle_steps`` steps after a switch
 are not measured: the first speculative step after K=0 has no trees yet (the draft catches up
@@ -83,6 +86,10 @@ class _Bucket:
     ns: int = 0  # the window's time, or (exploiting) the time since the decision
     debt_ns: float = 0.0  # what the last window of the slower mode lost against the better
     unsettled: int = 0  # steps of this window skipped while the draft caught up
+    catch_up: tuple[int, int] = (0, 0)  # their (tokens, ns)
+    # Per mode, the (tokens, ns) its last window skipped: no part of its rate, but part of
+    # what measuring it cost when it loses.
+    switch_costs: dict[Mode, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def rates(self) -> dict[Mode, float]:
@@ -114,6 +121,7 @@ class SpecPolicy:
         c, b = self.config, self._bucket(batch_size)
         if not settled and b.measuring and b.unsettled < c.max_unsettled_steps:
             b.unsettled += 1
+            b.catch_up = (b.catch_up[0] + committed_tokens, b.catch_up[1] + step_ns)
             return
         b.steps += 1
         if not b.measuring:
@@ -133,6 +141,7 @@ class SpecPolicy:
         if b.steps < c.settle_steps + c.window_steps:
             return
         b.windows[b.mode] = (b.tokens, b.ns)
+        b.switch_costs[b.mode] = b.catch_up
         b.typical[b.mode] = statistics.median(b.step_rates)
         other = _other(b.mode)
         if other not in b.windows:  # a new bucket: measure the other mode too
@@ -140,9 +149,14 @@ class SpecPolicy:
             return
         rates = b.rates
         best = self._better(rates)
-        # The slower mode's last window: its tokens in the better mode would have taken
-        # tokens / rate; what it took beyond that is the debt the next re-check waits on.
-        tokens, ns = b.windows[_other(best)]
+        # The slower mode's last window and the catch-up steps it skipped: their tokens in
+        # the better mode would have taken tokens / rate; what they took beyond that is the
+        # debt the next re-check waits on (a catch-up that costs a hundred plain steps makes
+        # measuring speculation again that much rarer).
+        loser = _other(best)
+        tokens, ns = b.windows[loser]
+        skipped_tokens, skipped_ns = b.switch_costs.get(loser, (0, 0))
+        tokens, ns = tokens + skipped_tokens, ns + skipped_ns
         b.debt_ns = max(0.0, ns - tokens / max(rates[best], 1e-9) * 1e9)
         b.contested = self._better(b.typical) is not best
         b.decisions += 1
@@ -171,6 +185,7 @@ class SpecPolicy:
             self.switches += 1
         b.mode, b.measuring = mode, measuring
         b.steps = b.tokens = b.ns = b.unsettled = 0
+        b.catch_up = (0, 0)
         b.step_rates = []
 
 

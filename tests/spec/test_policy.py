@@ -412,3 +412,61 @@ def test_a_window_skips_the_drafts_catch_up() -> None:
         lagging.record(1, 3, 2_000_000)
     # (1 + 1 + 3 + 3) tokens in 24 ms: the two catch-up steps past the cap count.
     assert lagging.rates(1)["speculate"] == pytest.approx(8 / 0.024)
+
+
+def test_a_costly_catch_up_counts_in_what_measuring_speculation_cost() -> None:
+    """At bs 64 speculation loses (141 tokens in 30 ms against 64 in 10 ms), and each re-check
+    from K=0 first pays the draft's catch-up: 5 steps of 100 ms for 64 tokens. The window skips
+    them, so the rate is speculation's own, but the debt counts them: 482 ms instead of 32 ms,
+    so the next re-check waits 16 s of plain decoding (1607 steps), not 1.1 s (107)."""
+    config = PolicyConfig(
+        window_steps=4, settle_steps=0, first_explore_steps=8, explore_steps=100_000
+    )
+    policy = SpecPolicy(config)
+    modes, since_plain = [], 0
+    for _ in range(2000):
+        on = policy.speculate(64)
+        modes.append(on)
+        since_plain = since_plain + 1 if on else 0
+        catching_up = on and len(modes) > since_plain and since_plain <= 5  # not the first
+        if catching_up:
+            policy.record(64, 64, 100_000_000, settled=False)
+        else:
+            tokens, ns = (141, 30_000_000) if on else (64, 10_000_000)
+            policy.record(64, tokens, ns)
+    assert policy.rates(64)["speculate"] == pytest.approx(141 / 0.030)
+    starts = [i for i in range(1, len(modes)) if modes[i] and not modes[i - 1]]
+    # Speculation, then plain measured (steps 0-7). The first re-check waits on the first
+    # window's loss only (no catch-up before it): 4 x 30 ms - 564 tokens / 6400 tokens/s =
+    # 31.9 ms, 3% of 1.07 s: 107 plain steps. The second (5 catch-up steps + a window of 4)
+    # waits on that window's loss plus its catch-up: 482 ms, 1607 plain steps.
+    assert starts == [8 + 107, 8 + 107 + 9 + 1607], starts
+
+
+class _Recording(Scripted):
+    """Scripted, and remembers what each measured step told the policy."""
+
+    def __init__(self, pattern: list[bool]) -> None:
+        super().__init__(pattern)
+        self.told: list[tuple[bool, bool]] = []  # (speculated, settled)
+
+    def record(
+        self, batch_size: int, committed_tokens: int, step_ns: int, *, settled: bool = True
+    ) -> None:
+        self.told.append((self.pattern[(self.step - 1) % len(self.pattern)], settled))
+
+
+def test_the_step_that_collects_the_catch_up_is_not_settled(ckpts: Checkpoints) -> None:
+    """After K=0 the first speculative step sends the held runs (it has no trees) and the
+    next one waits for the draft's extend over them: neither measures speculation, so both
+    are reported unsettled; the steps after are settled."""
+    engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
+    engine.policy = policy = _Recording([True] * 6 + [False] * 10 + [True] * 100)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    _run(engine, ragged_prompts()[:2], params)
+    told = policy.told  # speculative steps, K=0 steps, then speculative to the end
+    resume = next(i for i in range(1, len(told)) if told[i][0] and not told[i - 1][0])
+    assert all(on for on, _ in told[resume:])
+    assert [settled for _, settled in told[resume : resume + 6]] == [False, False] + [True] * 4
+    assert all(settled for _, settled in told[:resume])
+    _assert_clean(engine)
