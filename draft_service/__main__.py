@@ -43,6 +43,7 @@ from tandem.serving import (
     DEFAULT_MAX_MESSAGE_BYTES,
     configure_logging,
     env_default,
+    freeze_heap,
     serve,
 )
 from tandem.spec.build import DRAFT_KINDS, MTP_MODES, DraftConfig
@@ -139,6 +140,7 @@ async def run(config: DraftServiceConfig) -> int:
         nonlocal failed
         try:
             await server.load()
+            freeze_heap()
         except Exception:
             logger.exception("loading the draft failed")
             failed = True

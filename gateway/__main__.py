@@ -186,6 +186,7 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
 async def main(config: GatewayConfig) -> None:
     observability = telemetry.setup("gateway", metrics_port=config.metrics_port)
     gateway = await start_gateway(config)
+    serving.freeze_heap()  # the tokenizer's tables, above all
     logger.info(
         "gateway on %s, target %s",
         serving.format_address(config.host, gateway.port),

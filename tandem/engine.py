@@ -260,9 +260,13 @@ class Engine:
         if not lanes:
             return self._drain_ahead(started) if self.in_flight is not None else []
         speculate = exchange is not None
-        num_running = max(1, len(self.scheduler.running))  # the policy's batch size
+        num_running = max(1, len(self.scheduler.running))  # the batch size steps are measured at
         if self.policy is not None:
-            speculate = self.policy.speculate(num_running)
+            # Decided at the size the batch is growing to: requests arriving over a few prompt
+            # steps are not admitted to the draft (their features sent) by a small batch's
+            # choice when the full one decodes plainly.
+            growing = len(self.scheduler.running) + len(self.scheduler.waiting)
+            speculate = self.policy.speculate(max(1, min(growing, self.config.max_num_seqs)))
         if not speculate and self.config.overlap:
             reqs = ahead.next_requests(
                 self.scheduler,

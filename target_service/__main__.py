@@ -197,6 +197,7 @@ async def main(config: TargetServiceConfig) -> None:
     port = serving.bind(server, serving.format_address(config.host, config.port), credentials)
     await server.start()
     await asyncio.to_thread(warm_up, engine)
+    serving.freeze_heap()
     loop.start()
     await health.set("", serving.SERVING)
     await health.set("tandem.v1.TargetService", serving.SERVING)

@@ -470,3 +470,33 @@ def test_the_step_that_collects_the_catch_up_is_not_settled(ckpts: Checkpoints) 
     assert [settled for _, settled in told[resume : resume + 6]] == [False, False] + [True] * 4
     assert all(settled for _, settled in told[:resume])
     _assert_clean(engine)
+
+
+def test_a_growing_batch_is_decided_at_the_size_it_grows_to(ckpts: Checkpoints) -> None:
+    """Four prompts arrive together: the policy is asked about a batch of four from the first
+    step on (the prompts' steps included), so a small batch's choice never admits them to the
+    draft when the full batch decodes plainly; steps are still measured at their own size."""
+
+    class Sizes(SpecPolicy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked: list[int] = []
+            self.measured: list[int] = []
+
+        def speculate(self, batch_size: int) -> bool:
+            self.asked.append(batch_size)
+            return super().speculate(batch_size)
+
+        def record(
+            self, batch_size: int, committed_tokens: int, step_ns: int, *, settled: bool = True
+        ) -> None:
+            self.measured.append(batch_size)
+            super().record(batch_size, committed_tokens, step_ns, settled=settled)
+
+    engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
+    engine.policy = policy = Sizes()
+    prompts = ragged_prompts()[:4]
+    _run(engine, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert policy.asked[0] == 4 and set(policy.asked[: len(policy.measured)]) == {4}
+    assert max(policy.measured) == 4
+    _assert_clean(engine)
