@@ -214,8 +214,11 @@ async def main(config: TargetServiceConfig) -> None:
 
 
 def warm_up(engine: Engine) -> None:
-    """One tiny generation so the first real request does not pay for lazy initialisation."""
+    """One tiny generation so the first real request does not pay for lazy initialisation;
+    the speculation policy then starts measuring afresh (those steps compiled kernels)."""
     engine.generate([[0]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    if engine.policy is not None:
+        engine.policy.reset()
 
 
 def status(engine: Engine, drafter: object) -> target_pb2.TargetStatus:

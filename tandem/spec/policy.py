@@ -106,6 +106,12 @@ class SpecPolicy:
         self.switches = 0  # mode changes so far (tests, logs)
         self._last = Mode.SPECULATE  # the mode of the last step: a new bucket starts there
 
+    def reset(self) -> None:
+        """Forgets every measurement: steps before it (a service's warm-up, whose first
+        speculative steps compile kernels) are not traffic to decide by."""
+        self._buckets.clear()
+        self._last = Mode.SPECULATE
+
     def speculate(self, batch_size: int) -> bool:
         """The mode of the next step of a batch this size."""
         self._last = self._bucket(batch_size).mode

@@ -500,3 +500,27 @@ def test_a_growing_batch_is_decided_at_the_size_it_grows_to(ckpts: Checkpoints) 
     assert policy.asked[0] == 4 and set(policy.asked[: len(policy.measured)]) == {4}
     assert max(policy.measured) == 4
     _assert_clean(engine)
+
+
+def test_reset_forgets_every_decision() -> None:
+    """A bucket decided on cold steps (a service's warm-up) starts over after reset: it
+    measures speculation first again, whatever it ran before."""
+    policy = SpecPolicy(PolicyConfig(window_steps=2, settle_steps=0))
+    for _ in range(2):
+        policy.record(1, 3, 500_000_000)  # speculation, cold: 3 tokens in 0.5 s
+    for _ in range(2):
+        assert not policy.speculate(1)
+        policy.record(1, 1, 1_000_000)
+    assert not policy.speculate(1) and policy.rates(1)
+    policy.reset()
+    assert policy.rates(1) == {} and policy.speculate(1)
+
+
+def test_the_target_services_warm_up_leaves_the_policy_unmeasured(ckpts: Checkpoints) -> None:
+    from target_service.__main__ import warm_up
+
+    engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), spec_policy="adaptive")
+    assert isinstance(engine.policy, SpecPolicy)
+    warm_up(engine)  # its steps opened bucket 1's first window: gone, nothing counted
+    assert engine.policy._buckets == {} and engine.policy.speculate(1)
+    _assert_clean(engine)
