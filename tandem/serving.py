@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar, overload
 
@@ -280,6 +281,27 @@ def freeze_heap() -> None:
     8B target they took 54-207 ms, a stalled step each (bench/synced_target logs them)."""
     gc.collect()
     gc.freeze()
+
+
+def log_gc_pauses(log: logging.Logger, min_ms: float = 2.0) -> None:
+    """Logs (WARNING) every garbage collection of ``min_ms`` or more in this process, so that
+    a slow step can be told from a collection (the benchmarks turn it on)."""
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        ms = (time.perf_counter() - started[0]) * 1e3
+        if ms >= min_ms:
+            log.warning(
+                "gc generation %d took %.1f ms (%d collected)",
+                info["generation"],
+                ms,
+                info["collected"],
+            )
+
+    gc.callbacks.append(on_gc)
 
 
 @overload

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tandem import serving
 from tandem.bench import hf, inprocess, services
 from tandem.bench.inprocess import Workload
 from tandem.bench.report import Row
@@ -82,6 +83,8 @@ def run_bench(
     config: BenchConfig, say: Callable[[str], None] = logger.info
 ) -> tuple[dict[str, Any], list[Row]]:
     """Runs the configured modes; returns the settings block and the rows."""
+    serving.log_gc_pauses(logger, min_ms=10.0)  # a slow step may be a collection: say so
+    serving.freeze_heap()  # the imports: a full collection would walk them in every row
     model_config = ModelConfig.from_pretrained(config.target)
     torch_dtype = DTYPES[config.dtype]
     bandwidth = copy_bandwidth(config.device)
@@ -151,7 +154,11 @@ def _device_name(device: str) -> str:
 
 
 def _free() -> None:
-    gc.collect()
+    """Collects what the last engine or model left, then hides the rest from the collector
+    again (serving.freeze_heap): a full collection over the imports alone (about 365 000
+    objects, torch and transformers) takes 200-290 ms, a stalled step in a row."""
+    gc.unfreeze()  # what freeze_heap hid is collectable again
+    serving.freeze_heap()  # a full collection, then the survivors hidden
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -184,6 +191,7 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
             spec_policy=policy,
             overlap=overlap,
         )
+        serving.freeze_heap()  # as the services do once loaded: no full collection walks it
         for bs in config.batch_sizes:
             say(f"{mode} bs={bs}")
             steps_file = None

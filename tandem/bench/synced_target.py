@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import logging
-import time
 from typing import Any
 
 import torch
 
 import target_service.__main__ as target_main
+from tandem import serving
 from tandem.runner import ModelInputs, ModelRunner
 
 logger = logging.getLogger("tandem.bench.synced_target")
-GC_LOG_MS = 2.0
 
 
 def _synced(forward: Any) -> Any:
@@ -34,26 +32,7 @@ def _synced(forward: Any) -> Any:
     return run
 
 
-def _log_gc_pauses() -> None:
-    started = [0.0]
-
-    def on_gc(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            started[0] = time.perf_counter()
-            return
-        ms = (time.perf_counter() - started[0]) * 1e3
-        if ms >= GC_LOG_MS:
-            logger.warning(
-                "gc generation %d took %.1f ms (%d collected)",
-                info["generation"],
-                ms,
-                info["collected"],
-            )
-
-    gc.callbacks.append(on_gc)
-
-
 if __name__ == "__main__":
-    _log_gc_pauses()
+    serving.log_gc_pauses(logger)
     ModelRunner.forward = _synced(ModelRunner.forward)  # type: ignore[method-assign]
     asyncio.run(target_main.main(target_main.parse_args()))
