@@ -260,13 +260,13 @@ class Engine:
         if not lanes:
             return self._drain_ahead(started) if self.in_flight is not None else []
         speculate = exchange is not None
-        num_running = max(1, len(self.scheduler.running))  # the batch size steps are measured at
+        # The policy's batch size is the size the batch is growing to: requests arriving over
+        # a few prompt steps are not admitted to the draft (their features sent) by a small
+        # batch's choice when the full one decodes plainly. Steps are measured at it too.
+        growing = len(self.scheduler.running) + len(self.scheduler.waiting)
+        num_running = max(1, min(growing, self.config.max_num_seqs))
         if self.policy is not None:
-            # Decided at the size the batch is growing to: requests arriving over a few prompt
-            # steps are not admitted to the draft (their features sent) by a small batch's
-            # choice when the full one decodes plainly.
-            growing = len(self.scheduler.running) + len(self.scheduler.waiting)
-            speculate = self.policy.speculate(max(1, min(growing, self.config.max_num_seqs)))
+            speculate = self.policy.speculate(num_running)
         if not speculate and self.config.overlap:
             reqs = ahead.next_requests(
                 self.scheduler,
