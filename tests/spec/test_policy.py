@@ -1,10 +1,10 @@
-"""Adaptive speculation: the policy picks the faster mode per batch size, and K=0 steps are a
-real plain-decoding path that keeps the draft exactly in step (its held-back outcomes reach
-it in one extend), so switching at any step never changes greedy output."""
+"""Adaptive speculation in the engine: K=0 steps are a real plain-decoding path that keeps the
+draft exactly in step (its held-back outcomes reach it in one extend), so switching at any step
+never changes greedy output; what the engine tells the policy (catch-up steps, the size a
+batch grows to, a service's warm-up). The policy's own rules: test_policy_rules.py."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 from pathlib import Path
@@ -16,7 +16,7 @@ from tandem.engine import Engine
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 from tandem.spec.build import DraftConfig, build_drafter
-from tandem.spec.policy import Mode, PolicyConfig, SpecPolicy
+from tandem.spec.policy import PolicyConfig, SpecPolicy
 from tandem.spec.types import SpecConfig
 from tandem.train.prompts import read_prompts
 from tests.spec.conftest import VOCAB, Checkpoints, greedy, ragged_prompts
@@ -56,37 +56,6 @@ def _assert_clean(engine: Engine) -> None:
     assert engine.exchange is not None and not engine.exchange.held
     for kv in getattr(engine.drafter, "kvs", []):
         assert kv.allocator.num_free_pages == kv.allocator.num_pages
-
-
-def test_policy_picks_the_faster_mode_per_batch_size() -> None:
-    config = PolicyConfig(window_steps=4, settle_steps=1, explore_steps=50)
-    policy = SpecPolicy(config)
-    # Fake costs: at bs 1 speculation commits 3 tokens in 2 ms against 1 in 1 ms; at bs 64 it
-    # commits 2.2 x 64 tokens in 30 ms against 64 in 10 ms.
-    cost = {1: ((3, 2_000_000), (1, 1_000_000)), 64: ((141, 30_000_000), (64, 10_000_000))}
-    modes: dict[int, list[bool]] = {1: [], 64: []}
-    for _ in range(200):
-        for bs in (1, 64):
-            on = policy.speculate(bs)
-            modes[bs].append(on)
-            tokens, ns = cost[bs][0] if on else cost[bs][1]
-            policy.record(bs, tokens, ns)
-    # After both windows (2 x 5 steps) each bucket runs its faster mode, except while it
-    # measures the other one again (one window of 5 steps in every 55).
-    assert sum(modes[1][10:]) / len(modes[1][10:]) > 0.85
-    assert sum(modes[64][10:]) / len(modes[64][10:]) < 0.15
-    assert policy.rates(1)["speculate"] == pytest.approx(1500.0)
-    assert policy.rates(64)["plain"] == pytest.approx(6400.0)
-    # It re-measures: the worse mode comes back for a window, then goes again.
-    assert any(modes[64][60:]) and not all(modes[64][60:])
-
-
-def test_neighbouring_batch_sizes_share_a_bucket() -> None:
-    policy = SpecPolicy(PolicyConfig(window_steps=1, settle_steps=0))
-    policy.record(9, 10, 1_000)  # speculate window of the 16 bucket
-    assert not policy.speculate(15)  # now measuring plain for 9..16
-    assert not policy.speculate(17)  # the 24 bucket starts over, in the mode of the last step
-    assert policy.rates(17) == {}
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp-chain", "model"])
@@ -253,71 +222,6 @@ def test_admits_wait_only_for_a_wire(
     _assert_clean(engine)
 
 
-def test_a_decision_from_a_cold_window_is_checked_again_soon() -> None:
-    """The first speculative window of a bucket is slow (a cold start: its first two steps
-    take 40 ms), so plain decoding wins the first decision; its typical step is fast, so the
-    policy measures again after first_explore_steps and switches."""
-    config = PolicyConfig(window_steps=4, settle_steps=1, explore_steps=400, first_explore_steps=8)
-    policy = SpecPolicy(config)
-    modes = []
-    for step in range(90):
-        on = policy.speculate(1)
-        modes.append(on)
-        cold = on and step < 2
-        tokens, ns = (3, 40_000_000 if cold else 2_000_000) if on else (1, 1_000_000)
-        policy.record(1, tokens, ns)
-    assert modes[5:18] == [False] * 13  # plain measured, then run for 8 steps
-    # Speculation is measured again (warm now) and wins. Plain decoding lost 1.33 ms in its
-    # window (4 tokens in 4 ms against 2.67 ms): it is measured again once that is within 3%
-    # of the time since, 22 speculative steps after the window.
-    assert all(modes[18:46]) and not any(modes[46:51]) and all(modes[51:83])
-
-
-@pytest.mark.parametrize("spec_ns", [30_000_000, 26_000_000])
-def test_a_mode_slow_at_every_step_is_not_checked_again_at_once(spec_ns: int) -> None:
-    """At bs 64 speculation is slower at every step (141 tokens in 30 ms, or in 26 ms: 0.73x
-    and 0.85x of plain decoding's 64 tokens in 10 ms): the windows' median steps agree with
-    their means, so the first decision is not re-checked after first_explore_steps; the
-    explore budget spaces the re-check (at least 213 plain steps after, 100 at 26 ms)."""
-    config = PolicyConfig(first_explore_steps=8, explore_steps=10_000)
-    policy = SpecPolicy(config)
-    modes = []
-    for _ in range(300):
-        on = policy.speculate(64)
-        modes.append(on)
-        tokens, ns = (141, spec_ns) if on else (64, 10_000_000)
-        policy.record(64, tokens, ns)
-    # Speculation measured first (settle + 8 steps), then plain; then plain for a long while.
-    gap = 213 if spec_ns == 30_000_000 else 100
-    assert all(modes[:9]) and not any(modes[9 : 9 + gap])
-
-
-@pytest.mark.parametrize("budget", [0.03, 1.0])
-def test_a_badly_losing_mode_is_rarely_measured_again(budget: float) -> None:
-    """At bs 64 speculation commits 141 tokens in 30 ms against 64 in 10 ms: each window of it
-    loses 8 ms a step. After the first re-check, the next waits until that loss is within the
-    explore budget of the time spent decoding plainly since; without a budget (1.0) only the
-    step schedule (32, 64, 128, ... steps) spaces them."""
-    policy = SpecPolicy(PolicyConfig(explore_budget=budget, explore_steps=10_000))
-    total = lost = 0.0
-    modes = []
-    for _ in range(1500):
-        on = policy.speculate(64)
-        modes.append(on)
-        tokens, ns = (141, 30_000_000) if on else (64, 10_000_000)
-        policy.record(64, tokens, ns)
-        total += ns
-        lost += ns - tokens / 6400 * 1e9 if on else 0.0
-    starts = [i for i in range(1, len(modes)) if modes[i] and not modes[i - 1]]
-    gaps = [b - a for a, b in itertools.pairwise(starts)]
-    assert len(starts) >= 4 and lost / total < 0.03
-    # A window (settle + 8 steps) loses 72 ms: 0.03 of 2.4 s, >= 213 plain steps after it.
-    if budget < 1.0:
-        assert min(gaps[1:]) >= 213, gaps
-    else:
-        assert min(gaps[1:]) < 213, gaps
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 def test_no_stale_tree_after_k0_commits(
     ckpts: Checkpoints,
@@ -383,66 +287,6 @@ def test_held_features_stay_under_the_cap(
     _assert_clean(engine)
 
 
-def test_a_window_skips_the_drafts_catch_up() -> None:
-    """Speculative steps while the draft catches up after K=0 (no trees yet, 1 token in
-    10 ms) are left out of the window, up to max_unsettled_steps; the window then measures
-    speculation itself (3 tokens in 2 ms) and keeps it."""
-    config = PolicyConfig(window_steps=4, settle_steps=0, max_unsettled_steps=5)
-    policy = SpecPolicy(config)
-    for _ in range(4):  # speculation first: 3 tokens in 2 ms
-        policy.record(1, 3, 2_000_000)
-    for _ in range(4):  # then K=0: 1 token in 1 ms; K=0 loses
-        assert not policy.speculate(1)
-        policy.record(1, 1, 1_000_000)
-    assert policy.speculate(1) and policy.rates(1)["speculate"] == pytest.approx(1500.0)
-    lagging = SpecPolicy(config)
-    lagging.record(1, 1, 1_000_000)  # a new bucket measures speculation first
-    for _ in range(3):
-        lagging.record(1, 1, 1_000_000)
-    assert not lagging.speculate(1)  # K=0 measured next
-    for _ in range(4):
-        lagging.record(1, 1, 1_000_000)
-    # Both measured at 1000 tokens/s: K=0 (the margin wants 10% more). Re-check speculation
-    # with 7 catch-up steps: 5 are skipped, 2 counted, then 2 settled ones.
-    lagging._bucket(1).mode = Mode.SPECULATE
-    lagging._bucket(1).measuring = True
-    for _ in range(7):
-        lagging.record(1, 1, 10_000_000, settled=False)
-    for _ in range(2):
-        lagging.record(1, 3, 2_000_000)
-    # (1 + 1 + 3 + 3) tokens in 24 ms: the two catch-up steps past the cap count.
-    assert lagging.rates(1)["speculate"] == pytest.approx(8 / 0.024)
-
-
-def test_a_costly_catch_up_counts_in_what_measuring_speculation_cost() -> None:
-    """At bs 64 speculation loses (141 tokens in 30 ms against 64 in 10 ms), and each re-check
-    from K=0 first pays the draft's catch-up: 5 steps of 100 ms for 64 tokens. The window skips
-    them, so the rate is speculation's own, but the debt counts them: 482 ms instead of 32 ms,
-    so the next re-check waits 16 s of plain decoding (1607 steps), not 1.1 s (107)."""
-    config = PolicyConfig(
-        window_steps=4, settle_steps=0, first_explore_steps=8, explore_steps=100_000
-    )
-    policy = SpecPolicy(config)
-    modes, since_plain = [], 0
-    for _ in range(2000):
-        on = policy.speculate(64)
-        modes.append(on)
-        since_plain = since_plain + 1 if on else 0
-        catching_up = on and len(modes) > since_plain and since_plain <= 5  # not the first
-        if catching_up:
-            policy.record(64, 64, 100_000_000, settled=False)
-        else:
-            tokens, ns = (141, 30_000_000) if on else (64, 10_000_000)
-            policy.record(64, tokens, ns)
-    assert policy.rates(64)["speculate"] == pytest.approx(141 / 0.030)
-    starts = [i for i in range(1, len(modes)) if modes[i] and not modes[i - 1]]
-    # Speculation, then plain measured (steps 0-7). The first re-check waits on the first
-    # window's loss only (no catch-up before it): 4 x 30 ms - 564 tokens / 6400 tokens/s =
-    # 31.9 ms, 3% of 1.07 s: 107 plain steps. The second (5 catch-up steps + a window of 4)
-    # waits on that window's loss plus its catch-up: 482 ms, 1607 plain steps.
-    assert starts == [8 + 107, 8 + 107 + 9 + 1607], starts
-
-
 class _Recording(Scripted):
     """Scripted, and remembers what each measured step told the policy."""
 
@@ -500,20 +344,6 @@ def test_a_growing_batch_is_decided_at_the_size_it_grows_to(ckpts: Checkpoints) 
     assert policy.asked[0] == 4 and set(policy.asked[: len(policy.measured)]) == {4}
     assert policy.measured[0] == 4 and max(policy.measured) == 4
     _assert_clean(engine)
-
-
-def test_reset_forgets_every_decision() -> None:
-    """A bucket decided on cold steps (a service's warm-up) starts over after reset: it
-    measures speculation first again, whatever it ran before."""
-    policy = SpecPolicy(PolicyConfig(window_steps=2, settle_steps=0))
-    for _ in range(2):
-        policy.record(1, 3, 500_000_000)  # speculation, cold: 3 tokens in 0.5 s
-    for _ in range(2):
-        assert not policy.speculate(1)
-        policy.record(1, 1, 1_000_000)
-    assert not policy.speculate(1) and policy.rates(1)
-    policy.reset()
-    assert policy.rates(1) == {} and policy.speculate(1)
 
 
 def test_the_target_services_warm_up_leaves_the_policy_unmeasured(ckpts: Checkpoints) -> None:
