@@ -140,6 +140,7 @@ class RemoteDrafter(Drafter):
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
         self._connector: asyncio.Task[None] | None = None
+        self._order_lock = asyncio.Lock()  # messages built in submission order
         self._write_lock = asyncio.Lock()  # one write at a time on the stream
         self._stream = StreamState(budget=0, frame_bytes=0, hidden_dtype=torch.float32)
         self._waiters: dict[int, asyncio.Future[draft_pb2.SpeculateResponse | None] | None] = {}
@@ -281,25 +282,29 @@ class RemoteDrafter(Drafter):
         """Sends one lane's step once its features are on the host (``copied``); its step_id
         and the future its answer resolves (None when nothing was sent or the answer will be
         discarded)."""
-        while copied is not None and not copied.query():
-            await asyncio.sleep(_COPY_POLL_S)  # the reader keeps running meanwhile
-        call = self._call
-        if call is None:
-            self._report_dropped([a.request_id for a in admits])
-            return 0, None
-        request = draft_pb2.SpeculateRequest(
-            step_id=self._next_step, lane_id=lane, deadline_ns=int(self.deadline_s * 1e9)
-        )
-        self._next_step += 1
-        self._stream.build(request, admits, outcomes, released)
-        if len(self._waiters) >= self.max_backlog:
-            self._broken(f"{len(self._waiters)} steps unanswered")
-            return 0, None
-        # Behind a late answer this one is late too (the draft answers in order): don't wait.
-        waiter = None if self._discard else self._loop.create_future()
-        self._waiters[request.step_id] = waiter
-        if waiter is None:
-            self._discard.add(request.step_id)
+        # Steps are built in submission order, each once its copy is done (a later step
+        # without features must not overtake it: a release before its admit, say). Nothing
+        # yields between leaving this lock and taking the write lock, so writes keep the order.
+        async with self._order_lock:
+            while copied is not None and not copied.query():
+                await asyncio.sleep(_COPY_POLL_S)  # the reader keeps running meanwhile
+            call = self._call
+            if call is None:
+                self._report_dropped([a.request_id for a in admits])
+                return 0, None
+            request = draft_pb2.SpeculateRequest(
+                step_id=self._next_step, lane_id=lane, deadline_ns=int(self.deadline_s * 1e9)
+            )
+            self._next_step += 1
+            self._stream.build(request, admits, outcomes, released)
+            if len(self._waiters) >= self.max_backlog:
+                self._broken(f"{len(self._waiters)} steps unanswered")
+                return 0, None
+            # Behind a late answer this one is late too (the draft answers in order).
+            waiter = None if self._discard else self._loop.create_future()
+            self._waiters[request.step_id] = waiter
+            if waiter is None:
+                self._discard.add(request.step_id)
         try:
             async with self._write_lock:
                 await call.write(request)

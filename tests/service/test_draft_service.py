@@ -22,7 +22,7 @@ from grpc_status import rpc_status
 from draft_service.__main__ import parse_config
 from draft_service.config import DraftServiceConfig
 from draft_service.server import DraftServer, start
-from tandem import serving, wire
+from tandem import serving, transfer, wire
 from tandem.config import EngineConfig
 from tandem.draft_client import DraftState, RemoteDrafter
 from tandem.engine import Engine
@@ -215,6 +215,38 @@ def test_trees_equal_in_process(server: ServerThread, ckpts: Ckpts) -> None:
     finally:
         remote.close()
     _wait(lambda: server.num_tracked() == 0)  # the stream ended: its requests are freed
+
+
+class _Copying:
+    """A device-to-host copy that completes after a number of looks (``query``)."""
+
+    def __init__(self, looks: int) -> None:
+        self.left = looks
+
+    def query(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+def test_a_step_waiting_for_its_copy_keeps_its_place(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose features are still being copied to the host goes out before any later
+    step: the release right behind an admit reaches the draft after it, so nothing leaks."""
+    monkeypatch.setattr(
+        transfer, "to_host", lambda tensors, dtype: ([t.to(dtype) for t in tensors], _Copying(40))
+    )
+    remote = _remote(server.address)
+    try:
+        remote.submit(0, [Feed(5).admit("a", 9)], [], [])
+        remote.submit(1, [], [], ["a"])  # no features: nothing to wait for
+        remote.collect(0)
+        remote.collect(1)
+        _wait(lambda: server.num_tracked() == 0, timeout=5)
+        assert remote.num_tracked() == 0 and remote.take_dropped() == []
+        assert remote.state is DraftState.HEALTHY
+    finally:
+        remote.close()
 
 
 def test_deadline_miss_discards_late_answer(server: ServerThread, ckpts: Ckpts) -> None:
