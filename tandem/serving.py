@@ -283,9 +283,15 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+_gc_loggers: set[str] = set()
+
+
 def log_gc_pauses(log: logging.Logger, min_ms: float = 2.0) -> None:
     """Logs (WARNING) every garbage collection of ``min_ms`` or more in this process, so that
-    a slow step can be told from a collection (the benchmarks turn it on)."""
+    a slow step can be told from a collection (the benchmarks turn it on; once per logger)."""
+    if log.name in _gc_loggers:
+        return
+    _gc_loggers.add(log.name)
     started = [0.0]
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
