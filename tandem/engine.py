@@ -30,7 +30,7 @@ from tandem.graphs import graph_widths
 from tandem.kv import KVCache, KVCacheSpec
 from tandem.models import DecoderLM, load_model
 from tandem.request import FinishReason, Request, RequestOutput
-from tandem.runner import ModelInputs, ModelOutputs, ModelRunner, device_ints
+from tandem.runner import ModelInputs, ModelOutputs, ModelRunner
 from tandem.sampling import SamplingParams, make_generator
 from tandem.scheduler import ScheduledBatch, Scheduler
 from tandem.spec.base import Drafter
@@ -40,6 +40,7 @@ from tandem.spec.policy import NeverSpeculate, SpecPolicy
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import SpecConfig, SpecStats
 from tandem.spec.verify import Verified, compact, verify
+from tandem.transfer import device_ints
 
 logger = logging.getLogger(__name__)
 

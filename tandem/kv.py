@@ -24,6 +24,7 @@ from functools import cached_property
 import torch
 
 from tandem.errors import KVExhausted, NotFound
+from tandem.transfer import to_device
 
 NULL_PAGE = 0
 
@@ -259,16 +260,3 @@ class KVCache:
         for req_id, start, end in zip(req_ids, starts, ends, strict=True):
             slots.extend(self.allocator.slot_mapping(req_id, start, end))
         return to_device(torch.tensor(slots, dtype=torch.int64), self.spec.device)  # [num_tokens]
-
-
-def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``host`` (a CPU tensor) on ``device``; on CUDA copied from pinned memory behind the
-    stream's work. ``torch.tensor(..., device="cuda")`` copies from pageable memory, which
-    waits for everything queued on the stream first (a host sync per small tensor)."""
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    # From the caching host allocator: Tensor.pin_memory() asks the driver whether ``host`` is
-    # pinned first, which costs about 0.15 ms a call.
-    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-    pinned.copy_(host)
-    return pinned.to(device, non_blocking=True)

@@ -20,10 +20,11 @@ import torch
 
 from tandem.attention import AttentionMetadata, backend_for
 from tandem.graphs import GraphBatch, TargetGraphRunner
-from tandem.kv import KVCache, to_device
+from tandem.kv import KVCache
 from tandem.models import DecoderLM, ForwardContext
 from tandem.scheduler import ScheduledBatch
 from tandem.spec.types import Tree
+from tandem.transfer import device_ints
 
 
 @dataclass(kw_only=True)
@@ -202,24 +203,3 @@ class ModelRunner:
         logits = self.model.compute_logits(out.hidden[inputs.logits_indices])
         features = torch.cat(out.captured, dim=-1) if out.captured else None
         return ModelOutputs(logits=logits, features=features)
-
-
-def device_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
-    """``values`` as int64 on ``device``, copied from pinned memory on CUDA (``to_device``):
-    nothing waits for the stream, so the step decoding ahead (tandem/ahead.py) may use it."""
-    return to_device(torch.tensor(values, dtype=torch.int64), device)
-
-
-def read_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Copies of ``tensors`` on the host after one wait for the device: on CUDA each is copied
-    into pinned memory behind the stream's work and the host waits for the last copy only
-    (``.tolist()`` per tensor waits once per tensor)."""
-    if not tensors or tensors[0].device.type != "cuda":
-        return tuple(t.cpu() for t in tensors)
-    out = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
-    for host, t in zip(out, tensors, strict=True):
-        host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return out

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kv import to_device
+from tandem.transfer import to_device
 
 
 @dataclass(kw_only=True)

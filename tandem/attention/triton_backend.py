@@ -20,7 +20,7 @@ import torch
 from kernels.attention import default_num_splits, pack_tree_mask, tree_attention
 from kernels.kv import store_kv
 from tandem.attention.metadata import AttentionMetadata, GraphMetadata
-from tandem.kv import to_device
+from tandem.transfer import to_device
 
 _WORD_BITS = 64
 

@@ -34,12 +34,13 @@ import torch
 import kernels
 from tandem.attention import AttentionMetadata, backend_for
 from tandem.errors import KVExhausted
-from tandem.kv import KVCache, to_device
+from tandem.kv import KVCache
 from tandem.models import ForwardContext
 from tandem.models.draft import DraftModule
 from tandem.spec.base import Drafter
 from tandem.spec.tree import CandidatePool, scratch_mask, softmax_topk
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
+from tandem.transfer import to_device
 
 if TYPE_CHECKING:
     from tandem.spec.draft_graphs import DraftGraphRunner

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.request import Request
-from tandem.runner import ModelInputs, ModelOutputs, device_ints
+from tandem.runner import ModelInputs, ModelOutputs
 from tandem.scheduler import ScheduledBatch
 from tandem.spec.base import Drafter
 from tandem.spec.types import DraftAdmit, SpecConfig, VerifyOutcome
 from tandem.spec.verify import Verified
+from tandem.transfer import device_ints
 
 logger = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from kernels.reference import (
 )
 from tandem.kv import KVCache
 from tandem.request import Request
-from tandem.runner import device_ints, read_host
 from tandem.sampling import SamplingBatch, process_logits
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import Tree
+from tandem.transfer import device_ints, read_host
 
 
 @dataclass
