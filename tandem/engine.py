@@ -265,9 +265,9 @@ class Engine:
         # a few prompt steps are not admitted to the draft (their features sent) by a small
         # batch's choice when the full one decodes plainly. Steps are measured at it too.
         growing = len(self.scheduler.running) + len(self.scheduler.waiting)
-        num_running = max(1, min(growing, self.config.max_num_seqs))
+        policy_batch = max(1, min(growing, self.config.max_num_seqs))
         if self.policy is not None:
-            speculate = self.policy.speculate(num_running)
+            speculate = self.policy.speculate(policy_batch)
         if not speculate and self.config.overlap:
             reqs = ahead.next_requests(
                 self.scheduler,
@@ -277,7 +277,7 @@ class Engine:
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
             )
             if reqs is not None:
-                return self._step_ahead(reqs, num_running, started)
+                return self._step_ahead(reqs, policy_batch, started)
         if self.in_flight is not None:
             return self._drain_ahead(started)  # the ordinary step runs at the next call
         lane = min(lanes, key=lambda n: (n - self.last_lane - 1) % MAX_LANES)
@@ -331,13 +331,13 @@ class Engine:
         if self.policy is not None and all(decoding):
             committed = sum(len(out.new_token_ids) for out in results)
             total_ns = self.last_timing.total_ns
-            self.policy.record(num_running, committed, total_ns, settled=not catching_up)
+            self.policy.record(policy_batch, committed, total_ns, settled=not catching_up)
         return results
 
     # -- decoding ahead (tandem/ahead.py) ------------------------------------------------
 
     def _step_ahead(
-        self, reqs: list[Request], num_running: int, started: int
+        self, reqs: list[Request], policy_batch: int, started: int
     ) -> list[RequestOutput]:
         """Launches a plain decode step of ``reqs``, then reads the one in flight before it."""
         exchange, flight = self.exchange, self.in_flight
@@ -371,7 +371,7 @@ class Engine:
         )
         if self.policy is not None and results:
             committed = sum(len(out.new_token_ids) for out in results)
-            self.policy.record(num_running, committed, self.last_timing.total_ns)
+            self.policy.record(policy_batch, committed, self.last_timing.total_ns)
         return results
 
     def _drain_ahead(self, started: int) -> list[RequestOutput]:
