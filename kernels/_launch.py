@@ -20,6 +20,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def size_block(n: int, floor: int = 16) -> int:
+    """A block for ``n`` elements that varies step to step (tree nodes, requests, splits): at
+    least ``floor``, so the usual sizes share one compiled variant (a block is a compile-time
+    constant, and compiling a new one mid-serving stalls every request for about a second)."""
+    return max(floor, next_pow2(n))
+
+
 def checks_values(t: Tensor) -> bool:
     """Whether a wrapper may validate the values of its inputs, which reads device memory on
     the host: not while a CUDA graph is being captured, nor inside ``trusted_values()``.

@@ -111,7 +111,7 @@ def _norm_launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
     if num_rows == 0 or hidden == 0:
         return outs
     block = next_pow2(hidden)
-    tile_rows = max(1, min(next_pow2(num_rows), _TILE // block))
+    tile_rows = max(1, _TILE // block)  # not from num_rows: one compiled variant per width
     _rms_norm_kernel[(cdiv(num_rows, tile_rows),)](
         rows, res, weight, outs[0], outs[-1], num_rows, hidden, rows.stride(0), res.stride(0),
         1.0 / hidden, eps, ADD=residual is not None, ROWS=tile_rows, BLOCK=block,

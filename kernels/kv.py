@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._launch import cdiv, checks_values, expect_device, next_pow2
+from kernels._launch import cdiv, checks_values, expect_device, next_pow2, size_block
 from kernels.reference import _check_compact, _check_store_kv
 
 _STORE_BLOCK = 1024
@@ -134,7 +134,7 @@ def compact_accepted(caches: list[Tensor], src_slots: Tensor, dst_slots: Tensor)
     if len(set(pointers)) != len(pointers):
         raise ValueError("caches: a tensor appears twice (its pairs would move twice)")
     src, dst = src_slots.contiguous(), dst_slots.contiguous()
-    block_m = next_pow2(num_pairs)
+    block_m = size_block(num_pairs, 64)  # one program holds every pair (load all, then store)
     for (_, num_slots, row), group in groups.items():
         if num_slots == 0 or row == 0:
             continue

@@ -146,6 +146,6 @@ def sample(logits: Tensor, temperature: Tensor, noise: Tensor) -> Tensor:
     if not single:
         _sample_merge_kernel[(num_rows,)](
             temperature, part_key, part_idx, part_nan, part_bad, ids, num_splits,
-            BLOCK_S=next_pow2(num_splits), num_warps=1,
+            BLOCK_S=next_pow2(cdiv(vocab, block)), num_warps=1,  # the most splits: one variant
         )  # fmt: skip
     return ids

@@ -167,7 +167,7 @@ def launch_top1(
     if not single:
         _top1_merge_kernel[(num_rows,)](
             part_m, part_d, part_idx, part_bad, ids, logprob, valid, num_splits,
-            BLOCK_S=next_pow2(num_splits), num_warps=1,
+            BLOCK_S=next_pow2(cdiv(vocab, block)), num_warps=1,  # the most splits: one variant
         )  # fmt: skip
     return ids, logprob, valid
 
@@ -303,7 +303,8 @@ def topk(logits: Tensor, k: int, *, chunk_size: int = 4096) -> tuple[Tensor, Ten
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     block = min(_BLOCK, max(16, next_pow2(vocab)))
-    num_splits = min(default_splits(num_rows, vocab, block), max(1, _MAX_CANDIDATES // k))
+    most_splits = min(cdiv(vocab, block), max(1, _MAX_CANDIDATES // k))  # blocks: one variant
+    num_splits = min(default_splits(num_rows, vocab, block), most_splits)
     chunk = cdiv(cdiv(vocab, num_splits), block) * block
     num_splits = cdiv(vocab, chunk)
     dev = logits.device
@@ -323,7 +324,7 @@ def topk(logits: Tensor, k: int, *, chunk_size: int = 4096) -> tuple[Tensor, Ten
     )  # fmt: skip
     _topk_merge_kernel[(num_rows,)](
         part_val, part_idx, part_m, part_d, part_bad, ids, logprobs, valid, num_splits,
-        K=k, BLOCK_K=next_pow2(k), BLOCK_S=next_pow2(num_splits),
-        BLOCK_C=next_pow2(num_splits * k), num_warps=4,
+        K=k, BLOCK_K=next_pow2(k), BLOCK_S=next_pow2(most_splits),
+        BLOCK_C=next_pow2(most_splits * k), num_warps=4,
     )  # fmt: skip
     return ids, logprobs, valid

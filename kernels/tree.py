@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._launch import checks_values, next_pow2
+from kernels._launch import checks_values, size_block
 from kernels.reference import (
     _check_accepted_slots,
     _check_greedy,
@@ -89,7 +89,7 @@ def build_tree(parents: Tensor, num_nodes: Tensor) -> tuple[Tensor, Tensor, Tens
     if bs:
         _build_tree_kernel[(bs,)](
             parents, num_nodes, depth, mask, first_child, next_sibling, n,
-            BLOCK_N=next_pow2(n),
+            BLOCK_N=size_block(n),
         )  # fmt: skip
     return depth, mask, first_child, next_sibling
 
@@ -163,7 +163,7 @@ def verify_greedy(
             tokens.contiguous(), target_ids.contiguous(), first_child.contiguous(),
             next_sibling.contiguous(), num_nodes.contiguous(),
             accept_index, accept_len, bonus, n, accept_width,
-            BLOCK_W=next_pow2(accept_width), num_warps=1,
+            BLOCK_W=size_block(accept_width), num_warps=1,
         )  # fmt: skip
     return accept_index, accept_len, bonus
 
@@ -301,7 +301,7 @@ def verify_sampling(
             accept_index, accept_len, bonus,
             n, vocab, accept_width, target_probs.stride(0), target_probs.stride(1),
             coins.stride(0), residual_noise.stride(0),
-            BLOCK_W=next_pow2(accept_width), BLOCK_N=next_pow2(n), BLOCK_V=_BLOCK_V,
+            BLOCK_W=size_block(accept_width), BLOCK_N=size_block(n), BLOCK_V=_BLOCK_V,
         )  # fmt: skip
     return accept_index, accept_len, bonus
 
@@ -366,6 +366,6 @@ def accepted_slots(
         _accepted_slots_kernel[(bs,)](
             page_table.contiguous(), base_lens.contiguous(), accept_index.contiguous(),
             accept_len.contiguous(), src, dst, bs, width, page_table.shape[1], page_size,
-            BLOCK_W=next_pow2(width), BLOCK_B=next_pow2(bs), num_warps=1,
+            BLOCK_W=size_block(width), BLOCK_B=size_block(bs, 64), num_warps=1,
         )  # fmt: skip
     return src, dst

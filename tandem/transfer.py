@@ -37,6 +37,23 @@ def device_ints(values: Sequence[int], device: torch.device | str) -> torch.Tens
     return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
+def device_segments(
+    segments: Sequence[Sequence[int]], device: torch.device | str
+) -> list[torch.Tensor]:
+    """Each of ``segments`` as int64 on ``device``, from one upload (``device_ints``), every
+    one starting on a 16-byte boundary: Triton compiles a kernel per alignment of its pointer
+    arguments, so a segment that followed an odd number of values would compile a new variant
+    mid-serving (about a second while every request waits)."""
+    flat: list[int] = []
+    starts: list[int] = []
+    for segment in segments:
+        starts.append(len(flat))
+        flat += segment
+        flat += [0] * (len(flat) % 2)
+    host = device_ints(flat, device)
+    return [host[s : s + len(g)] for s, g in zip(starts, segments, strict=True)]
+
+
 def read_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Copies of ``tensors`` on the host after one wait for the device (``.tolist()`` per
     tensor waits once per tensor)."""

@@ -9,10 +9,18 @@ it uploads small tensors, so it cannot be captured. A CUDA-graph bucket runs
 (static buffers the graph runner refills before each replay) and its shapes and split count are
 fixed, so a forward launches ``store_kv`` and ``tree_attention`` on them and nothing else
 (graph-safe: no host read, no allocation besides the kernels' outputs).
+
+The attention kernel has compile-time variants (query tile size from the longest query, custom
+mask or causal, split KV or not) and a forward's batch picks one; the first step of a kind never
+seen (a prompt arriving while others verify trees: a long masked query) would compile it while
+every request waits, about a second on an H100 host. So the first eager forward of each head
+shape compiles them all on tiny inputs first (``compile_variants``).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +30,12 @@ from kernels.kv import store_kv
 from tandem.attention.metadata import AttentionMetadata, GraphMetadata
 from tandem.transfer import to_device
 
+logger = logging.getLogger(__name__)
+
 _WORD_BITS = 64
+# The query tile stops growing at this many rows (_blocks' cap), so longer queries add no variant.
+_LONGEST_TILE_QUERY = 128
+_compiled: set[tuple[object, ...]] = set()  # head shapes whose variants are compiled
 
 
 @dataclass
@@ -62,6 +75,7 @@ class TritonAttention:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if q.shape[0] == 0:
             return torch.empty_like(q)
+        compile_variants(q, k_cache, meta.page_size)
         plan = self._plan(meta, q.device)
         num_splits = self.num_splits
         if num_splits is None:
@@ -174,6 +188,77 @@ class GraphAttention:
             max_q_len=g.width,
             num_splits=g.num_splits,
         )
+
+
+def compile_variants(q: torch.Tensor, k_cache: torch.Tensor, page_size: int) -> bool:
+    """Compiles every variant of the attention kernels that a forward with ``q``'s and
+    ``k_cache``'s head shapes, dtype and ``page_size`` can launch (``launch_variants``), once
+    per shape and process; a no-op on CPU (interpreted Triton compiles nothing) and inside a
+    CUDA-graph capture. True when it ran."""
+    device = q.device
+    key = (device, q.dtype, q.shape[1], k_cache.shape[1], q.shape[2], page_size)
+    if device.type != "cuda" or key in _compiled or torch.cuda.is_current_stream_capturing():
+        return False
+    _compiled.add(key)
+    started = time.perf_counter()
+    launch_variants(q, k_cache, page_size)
+    torch.cuda.synchronize(device)
+    logger.info(
+        "attention kernels compiled for %d heads / %d KV heads x %d (%s, page size %d) in %.1f s",
+        q.shape[1],
+        k_cache.shape[1],
+        q.shape[2],
+        str(q.dtype).removeprefix("torch."),
+        page_size,
+        time.perf_counter() - started,
+    )
+    return True
+
+
+def launch_variants(
+    q: torch.Tensor, k_cache: torch.Tensor, page_size: int, longest: int = _LONGEST_TILE_QUERY
+) -> None:
+    """Runs the attention kernels on tiny inputs of ``q``'s and ``k_cache``'s head shapes for
+    queries of 1, 2, 4 .. ``longest`` tokens (each query tile size), masked and causal, on one
+    and two KV splits, packing masks of one and of several words."""
+    device = q.device
+    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[1]
+    q_len = 1
+    while q_len <= longest:
+        seq_len = q_len + page_size + 1  # a one-token prefix, then a partial page
+        pages = -(-seq_len // page_size)
+        caches = torch.zeros(
+            2, pages * page_size, num_kv_heads, head_dim, dtype=q.dtype, device=device
+        )
+        query = torch.zeros(q_len, num_heads, head_dim, dtype=q.dtype, device=device)
+        page_table = torch.arange(pages, dtype=torch.int32, device=device)[None]
+        cu_q = torch.tensor([0, q_len], dtype=torch.int64, device=device)
+        seq_lens = torch.tensor([seq_len], dtype=torch.int64, device=device)
+        width = seq_len - 1  # columns past the prefix: more than 64 from q_len 64
+        mask = pack_tree_mask(
+            torch.ones(q_len * width, dtype=torch.bool, device=device),
+            torch.arange(q_len, dtype=torch.int64, device=device) * width,
+            torch.full((q_len,), width, dtype=torch.int64, device=device),
+            -(-width // _WORD_BITS),
+        )
+        prefix_lens = torch.ones(1, dtype=torch.int64, device=device)
+        for masked in (False, True):
+            for num_splits in (1, 2):
+                tree_attention(
+                    query,
+                    caches[0],
+                    caches[1],
+                    page_table,
+                    cu_q,
+                    seq_lens,
+                    prefix_lens if masked else None,
+                    mask if masked else None,
+                    scale=1.0,
+                    page_size=page_size,
+                    max_q_len=q_len,
+                    num_splits=num_splits,
+                )
+        q_len *= 2
 
 
 def mask_inputs(

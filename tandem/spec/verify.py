@@ -36,7 +36,7 @@ from tandem.request import Request
 from tandem.sampling import SamplingBatch, process_logits
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import Tree
-from tandem.transfer import device_ints, read_host
+from tandem.transfer import device_ints, device_segments, read_host
 
 
 @dataclass
@@ -116,17 +116,16 @@ def verify(
     if simulate is not None:  # perf only: the verdict above is overridden (its cost is kept)
         paths = simulate.paths(trees)
         a = accept_index.shape[1]
-        drawn = device_ints(
+        accept_index, accept_len, last_rows = device_segments(
             [
-                *(i for p in paths for i in [*p, *[-1] * (a - len(p))]),
-                *(len(p) for p in paths),
-                *(s + p[-1] for s, p in zip(starts, paths, strict=True)),
+                [i for p in paths for i in [*p, *[-1] * (a - len(p))]],
+                [len(p) for p in paths],
+                [s + p[-1] for s, p in zip(starts, paths, strict=True)],
             ],
             device,
         )
-        accept_index = drawn[: bs * a].view(bs, a)
-        accept_len = drawn[bs * a : bs * a + bs]
-        bonus = top_ids[drawn[bs * a + bs :]]
+        accept_index = accept_index.view(bs, a)
+        bonus = top_ids[last_rows]
 
     # The new token after each path node, and its log-probability at that node.
     accept_width = accept_index.shape[1]
@@ -185,11 +184,10 @@ def _accept(
         flat_parents += [*tree.parents, *[-1] * pad]
     # The accept width is known on the host: the deepest node, plus node 0.
     accept_width = max(max(tree.depths) for tree in trees) + 1
-    host = device_ints([*flat_tokens, *flat_parents, *(len(t) for t in trees), *starts], device)
-    tokens = host[: bs * width].view(bs, width)
-    parents = host[bs * width : 2 * bs * width].view(bs, width)
-    num_nodes = host[2 * bs * width : 2 * bs * width + bs]
-    offsets = host[2 * bs * width + bs :]
+    tokens, parents, num_nodes, offsets = device_segments(
+        [flat_tokens, flat_parents, [len(t) for t in trees], starts], device
+    )
+    tokens, parents = tokens.view(bs, width), parents.view(bs, width)
     _, _, first_child, next_sibling = ops.build_tree(parents, num_nodes)
     # Flat logits row per node; padding nodes repeat the tree's last row (never accepted).
     rows = offsets[:, None] + torch.minimum(
@@ -291,21 +289,20 @@ def compact(
         paths = [accepted[i].accept_nodes for i in moving]
         device = kv.k_caches[0].device
         ops = _ops(device)
-        host = device_ints(
+        index, lens, bases = device_segments(
             [
-                *(n for p in paths for n in [*p, *[-1] * (width - len(p))]),  # [M, width]
-                *(len(p) for p in paths),
-                *(base_lens[i] for i in moving),
+                [n for p in paths for n in [*p, *[-1] * (width - len(p))]],  # [M, width]
+                [len(p) for p in paths],
+                [base_lens[i] for i in moving],
             ],
             device,
         )
-        m = len(moving)
         with kernels.trusted_values():  # paths this module computed from checked trees
             src, dst = ops.accepted_slots(
                 kv.allocator.page_table(ids, device=device),
-                host[m * width + m :],
-                host[: m * width].view(m, width),
-                host[m * width : m * width + m],
+                bases,
+                index.view(len(moving), width),
+                lens,
                 kv.spec.page_size,
             )
             ops.compact_accepted([*kv.k_caches, *kv.v_caches], src, dst)

@@ -30,7 +30,12 @@ from kernels.attention import (
 )
 from kernels.reference_attention import pack_tree_mask_ref, tree_attention_ref
 from tandem.attention import AttentionBackend, AttentionMetadata, TorchAttention, backend_for
-from tandem.attention.triton_backend import TritonAttention, mask_inputs
+from tandem.attention.triton_backend import (
+    TritonAttention,
+    compile_variants,
+    launch_variants,
+    mask_inputs,
+)
 from tandem.kv import KVCache, KVCacheSpec
 from tandem.models import DecoderLM, ForwardContext, load_model
 from tandem.spec.types import Tree
@@ -320,10 +325,22 @@ def test_wrapper_rejects_bad_inputs() -> None:
 def test_split_heuristic_fills_the_gpu_only_when_the_batch_does_not() -> None:
     common = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "num_sms": 132}
     assert default_num_splits(batch_size=64, max_q_len=1, max_kv_len=4096, **common) == 1
-    assert default_num_splits(batch_size=1, max_q_len=1, max_kv_len=200, **common) == 1
-    assert default_num_splits(batch_size=1, max_q_len=1, max_kv_len=4096, **common) == 16
+    assert default_num_splits(batch_size=1, max_q_len=1, max_kv_len=60, **common) == 1
+    assert default_num_splits(batch_size=1, max_q_len=1, max_kv_len=200, **common) == 4
+    assert default_num_splits(batch_size=1, max_q_len=1, max_kv_len=1024, **common) == 16
     assert default_num_splits(batch_size=1, max_q_len=1, max_kv_len=65536, **common) == 32
-    assert 1 < default_num_splits(batch_size=1, max_q_len=16, max_kv_len=4096, **common) <= 16
+    assert 1 < default_num_splits(batch_size=1, max_q_len=16, max_kv_len=4096, **common) <= 32
+
+
+def test_variant_launches_run_every_tile_mask_and_split() -> None:
+    """The warm-up's launches are valid kernel calls (a short query range here; the engine's
+    first CUDA forward runs them up to 128 query tokens, and nothing else compiles after:
+    tests/spec/test_cuda_compiles.py). On CPU nothing compiles, so it is skipped there."""
+    q = torch.zeros(1, 6, 16, dtype=torch.float32, device=DEVICE)  # a shape no other test has
+    k_cache = torch.zeros(63, 3, 16, dtype=torch.float32, device=DEVICE)
+    launch_variants(q, k_cache, page_size=7, longest=4)
+    assert compile_variants(q, k_cache, 7) is (DEVICE.type == "cuda")
+    assert compile_variants(q, k_cache, 7) is False  # once per shape
 
 
 def test_backend_for_keeps_torch_on_cpu() -> None:
