@@ -40,6 +40,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
         self.loop.attach(stream_id, sink)
         reader = asyncio.create_task(self._read(stream_id, request_iterator))
+        get: asyncio.Task[target_pb2.ControlResponse] | None = None
         logger.info("gateway stream %d attached", stream_id)
         try:
             while True:
@@ -48,10 +49,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if get in done:
                     yield get.result()
                     continue
-                get.cancel()
                 reader.result()  # re-raise a reader error
                 return  # the gateway closed its side
         finally:
+            # Also when the stream is cancelled inside the wait: a pending get left behind is
+            # destroyed later ("Task was destroyed but it is pending!").
+            if get is not None:
+                get.cancel()
             reader.cancel()
             self.loop.submit(Detach(stream_id))
             logger.info("gateway stream %d detached", stream_id)

@@ -4,6 +4,8 @@ aborts, refusals, and a closed gateway stream freeing everything it admitted."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -169,3 +171,39 @@ def test_refusals_aborts_and_a_closed_stream(target_dir: Path) -> None:
             await svc.server.stop(0)
 
     asyncio.run(run())
+
+
+def test_a_cancelled_stream_leaves_no_task_behind(
+    target_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gateway stream cancelled while the servicer waits for its next message: the wait for
+    the outbox is cancelled with it (it was left pending, then destroyed: asyncio's "Task was
+    destroyed but it is pending!" in the target's log whenever a gateway went away)."""
+
+    def pending_gets() -> list[asyncio.Task[Any]]:
+        return [t for t in asyncio.all_tasks() if "Queue.get" in repr(t.get_coro())]
+
+    async def run() -> None:
+        svc = await start(target_dir)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+                stub = target_pb2_grpc.TargetServiceStub(channel)
+                for _ in range(3):
+                    call = stub.Control()
+                    await call.read()  # a status: the servicer is in its loop
+                    assert pending_gets(), "the servicer should be waiting on its outbox"
+                    call.cancel()
+                    for _ in range(100):
+                        await asyncio.sleep(0.02)
+                        gc.collect()
+                        if not pending_gets():
+                            break
+                    assert not pending_gets()
+        finally:
+            svc.loop.stop()
+            await svc.server.stop(0)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(run())
+        gc.collect()
+    assert "Task was destroyed but it is pending" not in caplog.text
