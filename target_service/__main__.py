@@ -213,10 +213,17 @@ async def main(config: TargetServiceConfig) -> None:
     observability.shutdown()
 
 
+WARM_UP_PARAMS = (  # a greedy and a sampled request: each path's kernels compile here
+    SamplingParams(max_new_tokens=2, ignore_eos=True),
+    SamplingParams(max_new_tokens=2, ignore_eos=True, temperature=1.0, top_k=20, top_p=0.9, seed=0),
+)
+
+
 def warm_up(engine: Engine) -> None:
-    """One tiny generation so the first real request does not pay for lazy initialisation;
-    the speculation policy then starts measuring afresh (those steps compiled kernels)."""
-    engine.generate([[0]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    """Tiny generations, greedy and sampled, so the first real request does not pay for lazy
+    initialisation or a kernel compile (tests/spec/test_cuda_compiles.py); the speculation
+    policy then starts measuring afresh (those steps compiled kernels)."""
+    engine.generate([[0]] * len(WARM_UP_PARAMS), list(WARM_UP_PARAMS))
     if engine.policy is not None:
         engine.policy.reset()
 

@@ -23,6 +23,7 @@ class Arrival:
     step: int  # the engine step before which the request is added
     prompt: list[int]
     max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy; else sampled with a seed from the arrival's step
 
 
 def arrivals(
@@ -41,15 +42,20 @@ def arrivals(
 
 
 def drive(engine: Engine, plan: Sequence[Arrival]) -> tuple[list[list[int]], int]:
-    """Adds each request at its step and steps until every one finished: greedy outputs in
-    arrival order, and the number of steps taken."""
+    """Adds each request at its step and steps until every one finished: outputs in arrival
+    order (greedy unless an arrival has a temperature), and the number of steps taken."""
     pending = deque(sorted(plan, key=lambda a: a.step))
     ids: list[str] = []
     steps = 0
     while pending or engine.has_unfinished():
         while pending and pending[0].step <= steps:
             a = pending.popleft()
-            params = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True)
+            params = SamplingParams(
+                max_new_tokens=a.max_new_tokens,
+                ignore_eos=True,
+                temperature=a.temperature,
+                seed=a.step if a.temperature else None,
+            )
             ids.append(engine.add_request(a.prompt, params))
         engine.step()
         steps += 1

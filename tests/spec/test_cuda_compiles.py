@@ -59,6 +59,7 @@ def plan() -> list[Arrival]:
             step=3 * i,
             prompt=[rng.randrange(3, VOCAB) for _ in range(n)],
             max_new_tokens=rng.randint(8, 40),
+            temperature=0.8 if i % 3 == 0 else 0.0,  # sampled requests beside greedy ones
         )
         for i, n in enumerate(lens)
     ]
