@@ -75,8 +75,7 @@ class TritonAttention:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if q.shape[0] == 0:
             return torch.empty_like(q)
-        compile_variants(q, k_cache, meta.page_size)
-        plan = self._plan(meta, q.device)
+        plan = self._plan(meta, q, k_cache)
         num_splits = self.num_splits
         if num_splits is None:
             num_splits = self._auto_splits(plan, meta.batch_size, q, k_cache.shape[1])
@@ -139,9 +138,13 @@ class TritonAttention:
             self._num_sms[device] = count
         return self._num_sms[device]
 
-    def _plan(self, meta: AttentionMetadata, device: torch.device) -> _Plan:
+    def _plan(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> _Plan:
+        """The forward's plan, made at its first layer and reused by the others (which also
+        share the head shapes whose kernel variants ``compile_variants`` checks)."""
         if self._cache is not None and self._cache[0] is meta:
             return self._cache[1]
+        compile_variants(q, k_cache, meta.page_size)
+        device = q.device
         prefix_lens, tree_mask = mask_inputs(meta, device)
         plan = _Plan(
             page_table=meta.page_table.to(device),
