@@ -71,6 +71,31 @@ class _Pair:
     node: int | None = None  # pool index when it is a tree node (scratch entry)
 
 
+class _Run:
+    """A request's tokens to run through a module in one forward: positions, and hiddens
+    ([len(tokens), H] or None for a module without hidden input)."""
+
+    __slots__ = ("hidden", "position", "positions", "request_id", "tokens")
+
+    def __init__(
+        self,
+        request_id: str,
+        tokens: list[int],
+        positions: int | list[int],
+        hidden: torch.Tensor | None,
+    ) -> None:
+        self.request_id = request_id
+        self.tokens = tokens
+        # A committed run's positions are consecutive from ``position``.
+        if isinstance(positions, int):
+            self.position = positions
+            self.positions = list(range(positions, positions + len(tokens)))
+        else:
+            self.position = positions[0] if positions else 0
+            self.positions = positions
+        self.hidden = hidden
+
+
 class ModelDrafter(Drafter):
     def __init__(
         self,
@@ -188,26 +213,20 @@ class ModelDrafter(Drafter):
         rest = updates  # what no graph bucket takes runs here
         if self.graphs is not None:
             rest = self.graphs.extend(updates, starts)
-        prev_outs: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        # Per request, module m-1's outputs of this extend: (first, output before, outputs).
+        prev_outs: dict[str, tuple[int, torch.Tensor | None, torch.Tensor]] = {}
         for m, module in enumerate(self.modules if rest else ()):
-            pairs: list[list[_Pair]] = []
-            firsts: list[int] = []
+            runs: list[_Run] = []
             for request_id, _, _ in rest:
                 seq = self.seqs[request_id]
                 first = max(starts[request_id], module.shift)
-                firsts.append(first)
                 hidden = self._committed_hiddens(m, seq, first, prev_outs.get(request_id))
-                pairs.append(
-                    [
-                        _Pair(request_id, seq.tokens[j], j - module.shift, h)
-                        for j, h in zip(range(first, len(seq.tokens)), hidden, strict=True)
-                    ]
-                )
-            outs = self._run(m, pairs, masks=None)
-            for (request_id, _, _), first, out in zip(rest, firsts, outs, strict=True):
-                seq = self.seqs[request_id]
-                prev_outs[request_id] = (first, [seq.last_out[m], *out])  # type: ignore[list-item]
-                if out:
+                runs.append(_Run(request_id, seq.tokens[first:], first - module.shift, hidden))
+            outs = self._forward(m, runs)
+            for run, out in zip(runs, outs, strict=True):
+                seq = self.seqs[run.request_id]
+                prev_outs[run.request_id] = (run.position + module.shift, seq.last_out[m], out)
+                if out.shape[0]:
                     seq.last_out[m] = out[-1]
         for request_id, _, _ in updates:
             self._trim_features(self.seqs[request_id])
@@ -217,37 +236,27 @@ class ModelDrafter(Drafter):
         m: int,
         seq: _Seq,
         first: int,
-        prev: tuple[int, list[torch.Tensor]] | None,
-    ) -> list[torch.Tensor | None]:
-        """Hidden inputs of module ``m``'s committed pairs consuming ``t_first ...``. Target
-        features go through ``project_target`` once for the whole run of pairs (a long catch-up
-        after K=0 steps is one matmul, not one per token)."""
+        prev: tuple[int, torch.Tensor | None, torch.Tensor] | None,
+    ) -> torch.Tensor | None:
+        """Hidden inputs ([n, H]) of module ``m``'s committed pairs consuming ``t_first ...``,
+        as one tensor: target features go through ``project_target`` once for the whole run (a
+        long catch-up after K=0 steps is one matmul and no per-token work on the host)."""
         module, n = self.modules[m], len(seq.tokens) - first
-        if n <= 0:
-            return []
-        if module.uses_hidden and (m == 0 or self.mode == "target"):
+        if n <= 0 or not module.uses_hidden:
+            return None
+        if m == 0 or self.mode == "target":
             assert seq.features is not None, "a hidden-consuming draft got no target features"
             row = first - 1 - m - seq.feature_start
             assert row >= 0 and row + n <= seq.features.shape[0], "features are not kept"
-            return list(module.project_target(seq.features[row : row + n]).unbind(0))
-        return [self._committed_hidden(m, seq, j, prev) for j in range(first, first + n)]
-
-    def _committed_hidden(
-        self,
-        m: int,
-        seq: _Seq,
-        j: int,
-        prev: tuple[int, list[torch.Tensor]] | None,
-    ) -> torch.Tensor | None:
-        """Hidden input of module ``m``'s committed pair that consumes token ``t_j``."""
-        module = self.modules[m]
-        if not module.uses_hidden:
-            return None
-        if m == 0 or self.mode == "target":
-            return self._feature(seq, m, j - 1 - m)
+            return module.project_target(seq.features[row : row + n])
+        # Chain mode: pair t_j feeds on module m-1's output of the pair before it.
         assert prev is not None, "chain head extended before the head it feeds on"
-        first, outs = prev  # outs[0]: module m-1's output before `first`; then one per pair
-        return outs[j - 1 - first + 1]
+        prev_first, before, outs = prev  # before: module m-1's output preceding prev_first
+        start = first - prev_first  # index into [before, *outs]
+        if start > 0:
+            return outs[start - 1 : start - 1 + n]
+        assert before is not None, "chain head has no output to feed on"
+        return torch.cat([before[None], outs[: n - 1]])
 
     def _add_features(self, seq: _Seq, features: torch.Tensor) -> None:
         features = features.to(self.device)
@@ -282,43 +291,64 @@ class ModelDrafter(Drafter):
         """One forward of module ``m`` over each request's pairs, appended to its KV; with
         ``masks`` ([pairs, scratch entries] per request) they are scratch entries seeing the
         committed prefix plus what their mask row allows. Returns outputs per request."""
+        module = self.modules[m]
+        runs = []
+        for chunk in pairs:
+            hidden = None
+            if module.uses_hidden and chunk:
+                hidden = torch.stack([p.hidden for p in chunk])  # type: ignore[misc]
+            runs.append(
+                _Run(
+                    chunk[0].request_id if chunk else "",
+                    [p.token for p in chunk],
+                    [p.position for p in chunk],
+                    hidden,
+                )
+            )
+        return [list(rows.unbind(0)) for rows in self._forward(m, runs, masks)]
+
+    def _forward(
+        self, m: int, runs: list[_Run], masks: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """One forward of module ``m`` over every run's tokens, appended to its request's KV
+        (scratch entries under ``masks``, as ``_run``). Returns each run's outputs, [n, H_d]."""
         module, kv = self.modules[m], self.kvs[m]
         alloc = kv.allocator
-        flat = [p for chunk in pairs for p in chunk]
-        if not flat:
-            return [[] for _ in pairs]
-        req_ids = [chunk[0].request_id if chunk else "" for chunk in pairs]
-        live = [i for i, chunk in enumerate(pairs) if chunk]
+        live = [i for i, run in enumerate(runs) if run.tokens]
+        if not live:
+            return [torch.empty(0) for _ in runs]
         starts, ends, prefixes = [], [], []
         for i in live:
-            request_id = req_ids[i]
-            start = alloc.num_tokens(request_id)
-            alloc.extend(request_id, len(pairs[i]))
+            run = runs[i]
+            start = alloc.num_tokens(run.request_id)
+            alloc.extend(run.request_id, len(run.tokens))
             starts.append(start)
-            ends.append(start + len(pairs[i]))
-            prefixes.append(start if masks is None else start - (masks[i].shape[1] - len(pairs[i])))
-        live_ids = [req_ids[i] for i in live]
+            ends.append(start + len(run.tokens))
+            scratch = 0 if masks is None else masks[i].shape[1] - len(run.tokens)
+            prefixes.append(start - scratch)
+        live_ids = [runs[i].request_id for i in live]
         meta = AttentionMetadata.build(
             page_size=alloc.page_size,
-            query_lens=[len(pairs[i]) for i in live],
+            query_lens=[len(runs[i].tokens) for i in live],
             seq_lens=ends,
             page_table=alloc.page_table(live_ids, device=self.device),
             slot_mapping=kv.slot_mapping_tensor(live_ids, starts, ends),
             masks=None if masks is None else [masks[i] for i in live],
             prefix_lens=prefixes,
         )
-        device = self.device
-        host = torch.tensor([[p.token for p in flat], [p.position for p in flat]])
-        token_ids, positions = to_device(host, device)
+        token_list = [t for i in live for t in runs[i].tokens]
+        position_list = [p for i in live for p in runs[i].positions]
+        token_ids, positions = to_device(torch.tensor([token_list, position_list]), self.device)
         hidden = None
         if module.uses_hidden:
-            hidden = torch.stack([p.hidden for p in flat])  # type: ignore[misc]
+            parts = [runs[i].hidden for i in live]
+            hidden = parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type]
         ctx = ForwardContext(kv=kv, meta=meta, backend=self.backend)
         started = time.perf_counter_ns()
         out = module(token_ids, hidden, positions, ctx)
         self.model_ns += time.perf_counter_ns() - started
-        split = out.split([len(chunk) for chunk in pairs])
-        return [list(rows.unbind(0)) for rows in split]
+        split = iter(out.split([len(runs[i].tokens) for i in live]))
+        return [next(split) if run.tokens else out[:0] for run in runs]
 
     # -- trees -----------------------------------------------------------------------------
 
