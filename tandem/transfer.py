@@ -10,7 +10,11 @@ the driver whether its source is pinned first, about 0.15 ms a call on the H100 
 - ``read_host``: device tensors onto the host after one wait, for the last copy only.
 - ``to_host``: a step's feature tensors (the draft service's messages: EAGLE-3 sends three
   target layers per token) concatenated and cast on the device and copied in one go; nothing
-  waits, and the returned event marks the copy done (the draft client polls it).
+  waits, and the returned event marks the copy done (the draft client polls it). Tensors
+  already on the host pass through (cast).
+- ``SideCopies``: device tensors copied to pinned host memory on a side stream, so the
+  compute stream's next work does not queue behind the copy (features K=0 holds for a draft
+  service, tandem/spec/exchange.py).
 
 On CPU they are plain ``.to`` calls.
 """
@@ -69,10 +73,40 @@ def to_host(
 ) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
     """``tensors`` (2-D, equal widths, on one device) as host tensors of ``dtype``: views of
     one pinned buffer, valid once the returned event has completed (None: valid now)."""
-    if not tensors or tensors[0].device.type != "cuda":
-        return [t.to("cpu", dtype) for t in tensors], None
-    host = _pinned_copy(torch.cat([t.to(dtype) for t in tensors]))  # [sum(rows), F]
-    return list(host.split([t.shape[0] for t in tensors])), _recorded()
+    on_device = [t for t in tensors if t.device.type == "cuda"]
+    if not on_device:
+        return [t.to(dtype) for t in tensors], None
+    host = _pinned_copy(torch.cat([t.to(dtype) for t in on_device]))  # [sum(rows), F]
+    copied = iter(host.split([t.shape[0] for t in on_device]))
+    return [next(copied) if t.device.type == "cuda" else t.to(dtype) for t in tensors], _recorded()
+
+
+class SideCopies:
+    """Copies device tensors to pinned host memory on a side stream: each copy starts once the
+    work queued so far on the current stream is done, and nothing queued later on that stream
+    waits for it. ``wait`` blocks the host until every copy made so far is done (before a copy
+    is read). On CPU a tensor is its own copy."""
+
+    def __init__(self) -> None:
+        self._stream: torch.cuda.Stream | None = None
+        self._last: torch.cuda.Event | None = None
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(t.device)
+        self._stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self._stream):
+            host = _pinned_copy(t)
+            self._last = _recorded()
+        t.record_stream(self._stream)  # the source outlives the copy
+        return host
+
+    def wait(self) -> None:
+        if self._last is not None:
+            self._last.synchronize()
+            self._last = None
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:

@@ -11,20 +11,26 @@ K=0 steps (the adaptive policy, ``tandem.spec.policy``) submit with ``draft=Fals
 outcomes are held back per request and merged (tokens and features concatenate exactly as the
 draft would have applied them one by one), so the draft does no work while the lane decodes
 plainly. They go out in one extend when speculation resumes, or, while the features held for
-all requests pass ``HELD_BYTES``, the longest runs go out until half of it is left (that
-answer's trees are unused while K=0 lasts); a request that finishes during K=0 sends nothing.
+all requests pass the cap, the longest runs go out until half of it is left (that answer's
+trees are unused while K=0 lasts); a request that finishes during K=0 sends nothing. For an
+in-process drafter the features stay on the device and the cap is ``HELD_BYTES``; for a draft
+service, where they would cross to the host anyway, each K=0 step copies them to pinned host
+memory on a side stream (``transfer.SideCopies``: the next forward does not wait for it) and
+the cap is ``HELD_HOST_BYTES``, so a long K=0 stretch at a large batch neither flushes
+features to the draft (a draft extend on a GPU the target shares) nor fills device memory.
 To a draft service (``Drafter.remote``), waiting admits and held runs go out at most
 ``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses together does not resume
 in one message over the stream's cap; a request still holding (or not admitted yet) decodes
 without a tree. In process nothing is serialised: a speculating step sends everything due at
-once, and only K=0 flushes (past ``HELD_BYTES``) are paced, to spread their draft work.
+once, and only K=0 flushes (past the cap) are paced, to spread their draft work.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,11 +40,12 @@ from tandem.scheduler import ScheduledBatch
 from tandem.spec.base import Drafter
 from tandem.spec.types import DraftAdmit, SpecConfig, VerifyOutcome
 from tandem.spec.verify import Verified
-from tandem.transfer import device_ints
+from tandem.transfer import SideCopies, device_ints
 
 logger = logging.getLogger(__name__)
 
-HELD_BYTES = 256 << 20  # features held back during K=0 (all requests) before runs go out
+HELD_BYTES = 256 << 20  # features held on the device during K=0 (all requests), in process
+HELD_HOST_BYTES = 4 << 30  # held in pinned host memory for a draft service (at most 1/8 of RAM)
 HELD_BYTES_PER_STEP = 16 << 20  # features of held runs sent per step (beyond the first run)
 
 
@@ -67,6 +74,15 @@ class DraftExchange:
         self._deferred_released: list[str] = []
         # Lanes whose outstanding answer drafts over held runs or admits (a catch-up).
         self._catching_up_lanes: set[int] = set()
+        # K=0 holds features on the host for a draft service (see the module docstring).
+        self._host_copies = SideCopies() if drafter.remote else None
+
+    @property
+    def held_cap(self) -> int:
+        """Bytes of features K=0 holds (runs and admits waiting) before runs go out."""
+        if self._host_copies is None:
+            return HELD_BYTES
+        return min(HELD_HOST_BYTES, _physical_memory() // 8)
 
     @property
     def catching_up(self) -> bool:
@@ -164,6 +180,10 @@ class DraftExchange:
         # One gather for the whole step; each request's features are a view of it.
         flat = [row for _, _, rows in tracked for row in rows]
         gathered = None if features is None or not flat else _gather_rows(features, flat)
+        if not draft and self._host_copies is not None:
+            if gathered is not None:
+                gathered = self._host_copies.copy(gathered)
+            admits = [replace(a, features=self._host_copy(a.features)) for a in admits]
         offset = 0
         for req, v, rows in tracked:
             held = self.held.setdefault(req.request_id, _Held())
@@ -173,8 +193,8 @@ class DraftExchange:
         for request_id in released:
             self.held.pop(request_id, None)
         # During K=0 admits wait too (their prompt features held here), unless held features
-        # pass HELD_BYTES: then admits and the longest runs go out.
-        over = self._held_bytes(admits) > HELD_BYTES
+        # pass the cap: then admits and the longest runs go out.
+        over = self._held_bytes(admits) > self.held_cap
         self._deferred_admits += admits
         if not send:  # admits and releases wait for a lane with no answer outstanding
             self._deferred_released += released
@@ -211,6 +231,10 @@ class DraftExchange:
             req.draft_seq += 1
             awaiting[request_id] = req.draft_seq
         started = time.perf_counter_ns()
+        if self._host_copies is not None:
+            # Held features copied to the host: done before the client reads them (the copies
+            # of the latest K=0 step may still be behind its forward).
+            self._host_copies.wait()
         self.drafter.submit(lane, admits, outcomes, released)
         self.wait_ns += time.perf_counter_ns() - started
         self.awaiting[lane] = awaiting
@@ -219,14 +243,14 @@ class DraftExchange:
 
     def _overflow(self, tracked: list[tuple[Request, Verified, list[int]]]) -> list[Request]:
         """During K=0: the requests whose held runs go out now, longest first, while all held
-        features exceed ``HELD_BYTES`` (down to half of it); none below it."""
-        total = self._held_bytes([])
-        if total <= HELD_BYTES:
+        features exceed the cap (down to half of it); none below it."""
+        total, cap = self._held_bytes([]), self.held_cap
+        if total <= cap:
             return []
         due = []
         reqs = sorted((r for r, _, _ in tracked), key=lambda r: -self.held[r.request_id].nbytes)
         for req in reqs:
-            if total <= HELD_BYTES // 2:
+            if total <= cap // 2:
                 break
             due.append(req)
             total -= self.held[req.request_id].nbytes
@@ -308,6 +332,10 @@ class DraftExchange:
                 logger.warning("request %s: dropped by the draft; not speculating", request_id)
                 lost.in_draft = lost.speculate = False
 
+    def _host_copy(self, features: torch.Tensor | None) -> torch.Tensor | None:
+        assert self._host_copies is not None
+        return None if features is None else self._host_copies.copy(features)
+
     def _features_complete(self, admit: DraftAdmit) -> bool:
         if not self.drafter.target_layer_ids:
             return True
@@ -329,6 +357,14 @@ class DraftExchange:
             temperature=req.params.temperature,
             trace_context=req.trace_context,
         )
+
+
+def _physical_memory() -> int:
+    """The host's memory in bytes (unbounded where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -361,8 +397,13 @@ class _Held:
 
     def outcome(self, request_id: str) -> VerifyOutcome:
         features = None
-        if self.chunks:
-            features = self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
+        chunks = self.chunks
+        if len({c.device for c in chunks}) > 1:
+            # Held on the host during K=0, then a speculative step's chunk on the device (its
+            # forward is done: the step read its verification).
+            chunks = [c.cpu() for c in chunks]
+        if chunks:
+            features = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         return VerifyOutcome(
             request_id=request_id,
             accepted_token_ids=self.tokens[:-1],

@@ -42,7 +42,7 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
 ) -> None:
     from tandem.spec import exchange
 
-    monkeypatch.setattr(exchange, "HELD_BYTES", 64 << 10)  # part flushed during the stretch
+    monkeypatch.setattr(exchange, "HELD_HOST_BYTES", 64 << 10)  # part flushed during the stretch
     prompts = [Feed(9).ids(n) for n in (2, 7, 12, 5, 16)]
     params = SamplingParams(max_new_tokens=104, ignore_eos=True)
     config = EngineConfig(model=ckpts.target, page_size=4)
@@ -67,6 +67,50 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
         assert remote.take_dropped() == []
         alloc = engine.kv.allocator
         assert alloc.num_free_pages == alloc.num_pages
+        assert_draft_released_all(server)
+    finally:
+        remote.close()
+
+
+def test_k0_holds_features_for_a_draft_service_under_the_host_cap(
+    server: ServerThread,  # noqa: F811 (the imported fixture)
+    ckpts: Ckpts,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Toward a draft service K=0 holds features (on the host on CUDA) up to HELD_HOST_BYTES,
+    not the in-process HELD_BYTES: a stretch whose features pass HELD_BYTES sends the draft
+    nothing, so no flush makes the draft extend mid-stretch; the output is target-only's."""
+    from tandem.spec import exchange
+
+    monkeypatch.setattr(exchange, "HELD_BYTES", 1 << 10)  # an in-process exchange would flush
+    prompts = [Feed(3).ids(n) for n in (6, 11, 4)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    config = EngineConfig(model=ckpts.target, page_size=4)
+    reference = [r.token_ids for r in Engine(config).generate(prompts, params)]
+    remote = _remote(server.address, deadline_s=10.0)
+    try:
+        engine = Engine(config, drafter=remote, spec=SPEC)
+        engine.policy = Scripted([False])
+        assert engine.exchange is not None
+        assert engine.exchange.held_cap == min(
+            exchange.HELD_HOST_BYTES, exchange._physical_memory() // 8
+        )
+        sent: list[int] = []
+        submit = remote.submit
+
+        def counting(lane, admits, outcomes, released):  # type: ignore[no-untyped-def]
+            sent.append(len(admits) + len(outcomes) + len(released))
+            return submit(lane, admits, outcomes, released)
+
+        remote.submit = counting  # type: ignore[method-assign]
+        ids = [engine.add_request(p, params) for p in prompts]
+        peak = 0
+        while engine.has_unfinished():
+            engine.step()
+            peak = max(peak, engine.exchange._held_bytes([]))
+        engine.flush_draft()
+        assert [engine.pop_finished(i).token_ids for i in ids] == reference
+        assert peak > exchange.HELD_BYTES and sent == []
         assert_draft_released_all(server)
     finally:
         remote.close()
