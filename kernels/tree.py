@@ -168,7 +168,8 @@ def verify_greedy(
     return accept_index, accept_len, bonus
 
 
-@triton.jit(do_not_specialize=["n", "width"])  # per-step values: no recompiles
+# Per-step values: no recompiles (the strides over nodes change with a step's tree size).
+@triton.jit(do_not_specialize=["n", "width", "probs_stride_b", "coins_stride"])
 def _verify_sampling_kernel(
     tokens_ptr: tl.tensor,  # [bs, N] int64
     probs_ptr: tl.tensor,  # [bs, N, V] fp32, unit stride along V
