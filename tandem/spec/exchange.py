@@ -13,11 +13,13 @@ draft would have applied them one by one), so the draft does no work while the l
 plainly. They go out in one extend when speculation resumes, or, while the features held for
 all requests pass the cap, the longest runs go out until half of it is left (that answer's
 trees are unused while K=0 lasts); a request that finishes during K=0 sends nothing. For an
-in-process drafter the features stay on the device and the cap is ``HELD_BYTES``; for a draft
-service, where they would cross to the host anyway, each K=0 step copies them to pinned host
-memory on a side stream (``transfer.SideCopies``: the next forward does not wait for it) and
-the cap is ``HELD_HOST_BYTES``, so a long K=0 stretch at a large batch neither flushes
-features to the draft (a draft extend on a GPU the target shares) nor fills device memory.
+in-process drafter the features stay on the device under an eighth of the device memory free
+when K=0 first holds, between ``HELD_BYTES`` and ``HELD_MAX_BYTES``; for a draft service,
+where they would cross to the host anyway, each K=0 step copies them to pinned host memory on
+a side stream (``transfer.SideCopies``: the next forward does not wait for it) under
+``HELD_MAX_BYTES`` (at most an eighth of the host's memory). So a long K=0 stretch at a large
+batch does not flush features to the draft (a draft extend, on the GPU the target uses) every
+few steps, nor fill device memory.
 To a draft service (``Drafter.remote``), waiting admits and held runs go out at most
 ``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses together does not resume
 in one message over the stream's cap; a request still holding (or not admitted yet) decodes
@@ -44,8 +46,8 @@ from tandem.transfer import SideCopies, device_ints
 
 logger = logging.getLogger(__name__)
 
-HELD_BYTES = 256 << 20  # features held on the device during K=0 (all requests), in process
-HELD_HOST_BYTES = 4 << 30  # held in pinned host memory for a draft service (at most 1/8 of RAM)
+HELD_BYTES = 256 << 20  # features K=0 holds (all requests) at least, before runs go out
+HELD_MAX_BYTES = 4 << 30  # at most (and at most 1/8 of free device memory or host memory)
 HELD_BYTES_PER_STEP = 16 << 20  # features of held runs sent per step (beyond the first run)
 
 
@@ -77,12 +79,14 @@ class DraftExchange:
         # K=0 holds features on the host for a draft service (see the module docstring).
         self._host_copies = SideCopies() if drafter.remote else None
 
+        self._device_cap: int | None = None  # in process: set when K=0 first holds
+
     @property
     def held_cap(self) -> int:
         """Bytes of features K=0 holds (runs and admits waiting) before runs go out."""
-        if self._host_copies is None:
-            return HELD_BYTES
-        return min(HELD_HOST_BYTES, _physical_memory() // 8)
+        if self._host_copies is not None:
+            return max(HELD_BYTES, min(HELD_MAX_BYTES, _physical_memory() // 8))
+        return HELD_BYTES if self._device_cap is None else self._device_cap
 
     @property
     def catching_up(self) -> bool:
@@ -180,6 +184,8 @@ class DraftExchange:
         # One gather for the whole step; each request's features are a view of it.
         flat = [row for _, _, rows in tracked for row in rows]
         gathered = None if features is None or not flat else _gather_rows(features, flat)
+        if not draft and self._host_copies is None and self._device_cap is None:
+            self._device_cap = _device_hold_cap(None if features is None else features.device)
         if not draft and self._host_copies is not None:
             if gathered is not None:
                 gathered = self._host_copies.copy(gathered)
@@ -357,6 +363,15 @@ class DraftExchange:
             temperature=req.params.temperature,
             trace_context=req.trace_context,
         )
+
+
+def _device_hold_cap(device: torch.device | None) -> int:
+    """In process: an eighth of ``device``'s free memory, between ``HELD_BYTES`` and
+    ``HELD_MAX_BYTES`` (``HELD_BYTES`` off CUDA, where the pools are host memory)."""
+    if device is None or device.type != "cuda":
+        return HELD_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(HELD_BYTES, min(HELD_MAX_BYTES, free // 8))
 
 
 def _physical_memory() -> int:

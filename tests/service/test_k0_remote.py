@@ -42,7 +42,8 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
 ) -> None:
     from tandem.spec import exchange
 
-    monkeypatch.setattr(exchange, "HELD_HOST_BYTES", 64 << 10)  # part flushed during the stretch
+    monkeypatch.setattr(exchange, "HELD_BYTES", 64 << 10)  # part flushed during the stretch
+    monkeypatch.setattr(exchange, "HELD_MAX_BYTES", 64 << 10)
     prompts = [Feed(9).ids(n) for n in (2, 7, 12, 5, 16)]
     params = SamplingParams(max_new_tokens=104, ignore_eos=True)
     config = EngineConfig(model=ckpts.target, page_size=4)
@@ -77,12 +78,13 @@ def test_k0_holds_features_for_a_draft_service_under_the_host_cap(
     ckpts: Ckpts,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Toward a draft service K=0 holds features (on the host on CUDA) up to HELD_HOST_BYTES,
-    not the in-process HELD_BYTES: a stretch whose features pass HELD_BYTES sends the draft
-    nothing, so no flush makes the draft extend mid-stretch; the output is target-only's."""
+    """Toward a draft service K=0 holds features (on the host on CUDA) up to HELD_MAX_BYTES or
+    an eighth of the host's memory, not the floor HELD_BYTES: a stretch whose features pass
+    HELD_BYTES sends the draft nothing, so no flush makes the draft extend mid-stretch; the
+    output is target-only's."""
     from tandem.spec import exchange
 
-    monkeypatch.setattr(exchange, "HELD_BYTES", 1 << 10)  # an in-process exchange would flush
+    monkeypatch.setattr(exchange, "HELD_BYTES", 1 << 10)  # an in-process one would flush (CPU)
     prompts = [Feed(3).ids(n) for n in (6, 11, 4)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     config = EngineConfig(model=ckpts.target, page_size=4)
@@ -93,7 +95,7 @@ def test_k0_holds_features_for_a_draft_service_under_the_host_cap(
         engine.policy = Scripted([False])
         assert engine.exchange is not None
         assert engine.exchange.held_cap == min(
-            exchange.HELD_HOST_BYTES, exchange._physical_memory() // 8
+            exchange.HELD_MAX_BYTES, exchange._physical_memory() // 8
         )
         sent: list[int] = []
         submit = remote.submit

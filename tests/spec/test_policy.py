@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
@@ -354,3 +355,24 @@ def test_the_target_services_warm_up_leaves_the_policy_unmeasured(ckpts: Checkpo
     warm_up(engine)  # its steps opened bucket 1's first window: gone, nothing counted
     assert engine.policy._buckets == {} and engine.policy.speculate(1)
     _assert_clean(engine)
+
+
+def test_in_process_hold_cap_off_cuda_is_the_floor() -> None:
+    """Off CUDA (pools in host memory) K=0 holds up to HELD_BYTES in process."""
+    from tandem.spec import exchange
+
+    assert exchange._device_hold_cap(None) == exchange.HELD_BYTES
+    assert exchange._device_hold_cap(torch.device("cpu")) == exchange.HELD_BYTES
+
+
+@pytest.mark.gpu
+def test_in_process_hold_cap_follows_free_device_memory() -> None:
+    """On CUDA, in process, K=0 holds up to an eighth of the device memory free when it first
+    holds, between HELD_BYTES and HELD_MAX_BYTES."""
+    from tandem.spec import exchange
+
+    cap = exchange._device_hold_cap(torch.device("cuda"))
+    free, _ = torch.cuda.mem_get_info()
+    expected = max(exchange.HELD_BYTES, min(exchange.HELD_MAX_BYTES, free // 8))
+    assert exchange.HELD_BYTES <= cap <= exchange.HELD_MAX_BYTES
+    assert abs(cap - expected) <= 64 << 20  # free memory moves a little between the reads
