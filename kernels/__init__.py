@@ -33,7 +33,13 @@ from kernels.reference import (
     verify_greedy_ref,
     verify_sampling_ref,
 )
-from kernels.reference_fused import add_rms_norm_ref, rms_norm_ref, rope_ref, silu_mul_ref
+from kernels.reference_fused import (
+    add_rms_norm_ref,
+    linear_ref,
+    rms_norm_ref,
+    rope_ref,
+    silu_mul_ref,
+)
 
 _Triple = tuple[Tensor, Tensor, Tensor]
 _Pair = tuple[Tensor, Tensor]
@@ -57,6 +63,7 @@ class Ops:
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], _Pair]  # add_rms_norm_ref
     rope: Callable[[Tensor, Tensor, Tensor, Tensor], _Pair]  # rope_ref
     silu_mul: Callable[[Tensor], Tensor]  # silu_mul_ref
+    linear: Callable[..., Tensor]  # linear_ref
 
 
 REFERENCE = Ops(
@@ -74,6 +81,7 @@ REFERENCE = Ops(
     add_rms_norm=add_rms_norm_ref,
     rope=rope_ref,
     silu_mul=silu_mul_ref,
+    linear=linear_ref,
 )
 
 
@@ -88,6 +96,7 @@ def triton_ops() -> Ops:
     from kernels.fused import add_rms_norm, rms_norm, rope, silu_mul
     from kernels.kv import compact_accepted, store_kv
     from kernels.sample import sample
+    from kernels.skinny import linear
     from kernels.top1 import top1, topk
     from kernels.tree import accepted_slots, build_tree, verify_greedy, verify_sampling
 
@@ -106,6 +115,7 @@ def triton_ops() -> Ops:
         add_rms_norm=add_rms_norm,
         rope=rope,
         silu_mul=silu_mul,
+        linear=linear,
     )
 
 

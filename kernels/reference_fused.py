@@ -1,5 +1,5 @@
 """Torch references of the fused decoder-layer ops in `fused.py`: RMSNorm, residual add + RMSNorm,
-rotate-half RoPE on q and k, SiLU(gate) * up.
+rotate-half RoPE on q and k, SiLU(gate) * up; and of the projections (`skinny.py`: linear).
 
 These are the eager formulas `tandem/models/decoder.py` has always run, op for op, so the CPU
 path (and every CUDA path the Triton kernels do not take: autograd, autocast) computes exactly
@@ -57,6 +57,11 @@ def rope_ref(
     """Rotate-half RoPE: `x * cos + cat(-x2, x1) * sin` with x = (x1, x2) split in halves."""
     check_rope(q, k, cos, sin)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear``: what every projection computes off the GPU."""
+    return F.linear(x, weight, bias)
 
 
 def silu_mul_ref(gate_up: Tensor) -> Tensor:  # [num_tokens, 2 * inter] -> [num_tokens, inter]

@@ -44,6 +44,14 @@ def fused_ops(*tensors: torch.Tensor) -> kernels.Ops:
     return kernels.triton_ops()
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose forward goes through the kernels' ``linear`` (on CUDA, decode-size
+    batches in bf16/fp16 run ``kernels.skinny``); same parameters and state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_ops(x, self.weight).linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in float32, cast back before the weight (as transformers does)."""
 
@@ -97,10 +105,10 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         # q, k and v fused into one matmul; the loader concatenates the checkpoint's weights.
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             input_size or config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = config.head_dim**-0.5
@@ -137,12 +145,10 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         # gate and up fused; the loader concatenates them.
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]

@@ -1,0 +1,129 @@
+"""`linear`: ``F.linear(x, weight, bias)`` with the rows of small decode batches (at most
+``MAX_ROWS``, bf16/fp16) through `skinny_linear`, the rest through cuBLAS. Torch twin:
+`linear_ref` (``F.linear``).
+
+`skinny_linear`: ``x @ weight.T`` for a few rows of ``x`` (decode: one row per request), one
+memory-bound pass over the weight with fp32 accumulation and one rounding to the output dtype,
+and no split-K reduction kernel. On an H100 at one row (bench/skinny_sweep.py, 8B shapes, us
+per call against cuBLAS): qkv 19.4 / 21.4, o_proj 13.8 / 14.1, gate_up 78.2 / 79.4, down
+40.9 / 42.3. A row's result does not depend on the other rows (up to ``MAX_ROWS``).
+
+Grid (output column tiles, row tiles of 16). Each program streams its ``BLOCK_N`` weight
+columns through ``BLOCK_K`` steps and multiplies with ``tl.dot`` (rows padded to 16: the
+tensor cores idle, the weight reads bound the time). The weight may be stored either way
+(``[out, in]`` row-major, or the transpose of a row-major ``[in, out]``,
+``DecoderLM.use_transposed_weights``): loads follow its strides.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels._launch import cdiv, expect_device
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK_M = 16
+MAX_ROWS = BLOCK_M  # more rows read the weight once per 16: cuBLAS from there
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` (`linear_ref`); 2-D bf16/fp16 inputs of at most ``MAX_ROWS`` rows run
+    `skinny_linear` with tiles chosen for the weight's shape (the bias added after)."""
+    if x.dim() != 2 or x.dtype not in _SKINNY_DTYPES or not 0 < x.shape[0] <= MAX_ROWS:
+        return F.linear(x, weight, bias)
+    if weight.dtype != x.dtype or not x.is_cuda or weight.stride(0) != 1:
+        # Only weights stored transposed (the target's, DecoderLM.use_transposed_weights): the
+        # layout the tiles were measured on.
+        return F.linear(x, weight, bias)
+    y = skinny_linear(x, weight, **_config(weight.shape[0]))
+    return y if bias is None else y.add_(bias)
+
+
+_SKINNY_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _config(n: int) -> dict[str, int]:
+    """Tiles for ``n`` output columns (the fastest of bench/skinny_sweep.py on an H100)."""
+    if n >= 16384:  # gate_up
+        return {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+    if n <= 4096:  # o_proj, down
+        return {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 6}
+    return {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 6}  # qkv
+
+
+@triton.jit(do_not_specialize=["num_rows"])  # per-step values: no recompiles
+def _skinny_kernel(  # type: ignore[no-untyped-def]  # ints unannotated: specialised
+    x_ptr: tl.tensor,  # [num_rows, K]
+    w_ptr: tl.tensor,  # [N, K] (any strides)
+    y_ptr: tl.tensor,  # [num_rows, N] contiguous
+    num_rows: tl.int64,
+    n,  # unannotated: Triton specialises ints of 1 and multiples of 16 (vector loads)
+    k,
+    x_stride,
+    w_stride_n,
+    w_stride_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+) -> None:
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    inner = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        kk = k0 + inner
+        x = tl.load(
+            x_ptr + rows[:, None] * x_stride + kk[None, :],
+            mask=(rows < num_rows)[:, None] & (kk < k)[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + kk[:, None] * w_stride_k + cols[None, :] * w_stride_n,
+            mask=(kk < k)[:, None] & (cols < n)[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(x, w, acc, input_precision="ieee")  # fp32: no TF32 rounding
+    out = y_ptr + rows[:, None] * n + cols[None, :]
+    tl.store(
+        out, acc.to(y_ptr.dtype.element_ty), mask=(rows < num_rows)[:, None] & (cols < n)[None, :]
+    )
+
+
+def skinny_linear(
+    x: Tensor,  # [num_rows, K]
+    weight: Tensor,  # [N, K]
+    *,
+    block_n: int = 32,
+    block_k: int = 128,
+    num_warps: int = 4,
+    num_stages: int = 4,
+) -> Tensor:  # [num_rows, N], x's dtype
+    """``x @ weight.T`` without bias; ``x``'s rows need unit stride along K."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: expected [M, K], [N, K]"
+        )
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(
+            f"x, weight: expected one dtype of {_DTYPES}; got {x.dtype}, {weight.dtype}"
+        )
+    expect_device("weight", weight, x.device)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    if num_rows == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    grid = (cdiv(n, block_n), cdiv(num_rows, BLOCK_M))
+    _skinny_kernel[grid](
+        x, weight, y, num_rows, n, k, x.stride(0), weight.stride(0), weight.stride(1),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    return y
