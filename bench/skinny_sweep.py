@@ -1,9 +1,13 @@
-"""Sweeps ``kernels.skinny.skinny_linear``'s tile and pipeline settings against cuBLAS
-(``F.linear``) on the 8B shape's decode matmuls, weights stored transposed as the engine
-keeps them; times as ``bench/linear_layouts.py`` (a CUDA graph of 20 calls on distinct
-weights, best of 5), us per call.
+"""The 8B shape's decode matmuls on CUDA, us per call (a CUDA graph of 20 calls on distinct
+weights, so no weight stays in L2; best of 5):
 
-    python bench/skinny_sweep.py [--rows 1] [--top 5]
+- ``--layouts``: cuBLAS (``F.linear``) with the weight stored ``[out, in]`` (as checkpoints)
+  and as the transpose of a row-major ``[in, out]`` (``DecoderLM.use_transposed_weights``);
+- otherwise: ``kernels.skinny.skinny_linear``'s tile and pipeline settings swept against
+  cuBLAS, weights stored transposed as the engine keeps them (``kernels.skinny._config``
+  holds the fastest per shape).
+
+    python bench/skinny_sweep.py [--rows 1] [--top 4] [--layouts]
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import torch.nn.functional as F
 
 from kernels.skinny import skinny_linear
 
-SHAPES = {
+SHAPES = {  # name: (in, out), Llama-3.1-8B
     "qkv": (4096, 6144),
     "o_proj": (4096, 4096),
     "gate_up": (4096, 28672),
     "down": (14336, 4096),
 }
+LM_HEAD = (4096, 128256)
 COPIES = 20
 
 
@@ -50,7 +55,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1")
     p.add_argument("--top", type=int, default=4)
+    p.add_argument("--layouts", action="store_true", help="cuBLAS in both weight layouts")
     args = p.parse_args()
+    if args.layouts:
+        layouts([int(r) for r in args.rows.split(",")])
+        return
     configs = list(itertools.product((16, 32, 64), (64, 128, 256), (2, 4, 8), (3, 4, 6)))
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | bf16, us per call")
     for name, (k, n) in SHAPES.items():
@@ -85,6 +94,23 @@ def main() -> None:
                 tiles = f"BLOCK_N={bn} BLOCK_K={bk} warps={warps} stages={stages}"
                 print(f"   {us:6.1f} us ({gbs(us):.0f} GB/s) {tiles} max |err| {err}")
         del weights
+        torch.cuda.empty_cache()
+
+
+def layouts(rows: list[int]) -> None:
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | bf16, us per call")
+    print(f"{'shape':>8} {'rows':>5} {'[out,in]':>10} {'W^T':>10} {'GB/s best':>10}")
+    for name, (k, n) in [*SHAPES.items(), ("lm_head", LM_HEAD)]:
+        plain = [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            for _ in range(COPIES if name != "lm_head" else 4)
+        ]
+        transposed = [w.t().contiguous().t() for w in plain]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            a, b = time_us(F.linear, plain, x), time_us(F.linear, transposed, x)
+            print(f"{name:>8} {m:>5} {a:>10.1f} {b:>10.1f} {n * k * 2 / min(a, b) / 1e3:>10.0f}")
+        del plain, transposed
         torch.cuda.empty_cache()
 
 
