@@ -14,12 +14,11 @@ plainly. They go out in one extend when speculation resumes, or, while the featu
 all requests pass the cap, the longest runs go out until half of it is left (that answer's
 trees are unused while K=0 lasts); a request that finishes during K=0 sends nothing. For an
 in-process drafter the features stay on the device under an eighth of the device memory free
-when K=0 first holds, between ``HELD_BYTES`` and ``HELD_MAX_BYTES``; for a draft service,
-where they would cross to the host anyway, each K=0 step copies them to pinned host memory on
-a side stream (``transfer.SideCopies``: the next forward does not wait for it) under
-``HELD_MAX_BYTES`` (at most an eighth of the host's memory). So a long K=0 stretch at a large
-batch does not flush features to the draft (a draft extend, on the GPU the target uses) every
-few steps, nor fill device memory.
+when K=0 first holds; for a draft service, where they would cross to the host anyway, each K=0
+step copies them to pinned host memory on a side stream (``transfer.SideCopies``: the next
+forward does not wait for it) under an eighth of the host's memory (caps: ``hold.py``). So a
+long K=0 stretch at a large batch does not flush features to the draft (a draft extend, on the
+GPU the target uses) every few steps, nor fill device memory.
 To a draft service (``Drafter.remote``), waiting admits and held runs go out at most
 ``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses together does not resume
 in one message over the stream's cap; a request still holding (or not admitted yet) decodes
@@ -30,24 +29,23 @@ once, and only K=0 flushes (past the cap) are paced, to spread their draft work.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from tandem.request import Request
 from tandem.runner import ModelInputs, ModelOutputs
 from tandem.scheduler import ScheduledBatch
+from tandem.spec import hold
 from tandem.spec.base import Drafter
+from tandem.spec.hold import Held, nbytes
 from tandem.spec.types import DraftAdmit, SpecConfig, VerifyOutcome
 from tandem.spec.verify import Verified
 from tandem.transfer import SideCopies, device_ints
 
 logger = logging.getLogger(__name__)
 
-HELD_BYTES = 256 << 20  # features K=0 holds (all requests) at least, before runs go out
-HELD_MAX_BYTES = 4 << 30  # at most (and at most 1/8 of free device memory or host memory)
 HELD_BYTES_PER_STEP = 16 << 20  # features of held runs sent per step (beyond the first run)
 
 
@@ -69,7 +67,7 @@ class DraftExchange:
         # Per lane, the submission whose trees are not collected yet: request id -> draft_seq.
         self.awaiting: dict[int, dict[str, int]] = {}
         self.wait_ns = 0  # time in the drafter's submit/collect since the engine reset it
-        self.held: dict[str, _Held] = {}  # K=0 outcomes not sent yet
+        self.held: dict[str, Held] = {}  # K=0 outcomes not sent yet
         self.unwaited_answers = 0  # answers a K=0 step went ahead of (still being drafted)
         # Waiting for a lane with no answer outstanding (K=0 steps never wait on the draft).
         self._deferred_admits: list[DraftAdmit] = []
@@ -85,8 +83,8 @@ class DraftExchange:
     def held_cap(self) -> int:
         """Bytes of features K=0 holds (runs and admits waiting) before runs go out."""
         if self._host_copies is not None:
-            return max(HELD_BYTES, min(HELD_MAX_BYTES, _physical_memory() // 8))
-        return HELD_BYTES if self._device_cap is None else self._device_cap
+            return hold.host_cap()
+        return hold.HELD_BYTES if self._device_cap is None else self._device_cap
 
     @property
     def catching_up(self) -> bool:
@@ -185,14 +183,14 @@ class DraftExchange:
         flat = [row for _, _, rows in tracked for row in rows]
         gathered = None if features is None or not flat else _gather_rows(features, flat)
         if not draft and self._host_copies is None and self._device_cap is None:
-            self._device_cap = _device_hold_cap(None if features is None else features.device)
+            self._device_cap = hold.device_cap(None if features is None else features.device)
         if not draft and self._host_copies is not None:
             if gathered is not None:
                 gathered = self._host_copies.copy(gathered)
             admits = [replace(a, features=self._host_copy(a.features)) for a in admits]
         offset = 0
         for req, v, rows in tracked:
-            held = self.held.setdefault(req.request_id, _Held())
+            held = self.held.setdefault(req.request_id, Held())
             chunk = None if gathered is None else gathered[offset : offset + len(rows)]
             held.add(v.new_tokens, chunk)
             offset += len(rows)
@@ -208,7 +206,7 @@ class DraftExchange:
             return
         budget = self._step_bytes(draft)
         admits, released = self._take_deferred(released, admits=draft or over, budget=budget)
-        sent_bytes = sum(_nbytes(a.features) for a in admits)
+        sent_bytes = sum(nbytes(a.features) for a in admits)
         waiting = {a.request_id for a in self._deferred_admits}
         due = [req for req, _, _ in tracked] if draft else self._overflow(tracked)
         for req in due:
@@ -302,7 +300,7 @@ class DraftExchange:
         taken: list[DraftAdmit] = []
         size = 0
         while admits and waiting:
-            size += _nbytes(waiting[0].features)
+            size += nbytes(waiting[0].features)
             if taken and size > budget:
                 break
             taken.append(waiting.pop(0))
@@ -319,7 +317,7 @@ class DraftExchange:
     def _held_bytes(self, admits: list[DraftAdmit]) -> int:
         """Features held for the draft: runs, admits waiting, ``admits`` of this step."""
         runs = sum(h.nbytes for h in self.held.values())
-        return runs + sum(_nbytes(a.features) for a in [*self._deferred_admits, *admits])
+        return runs + sum(nbytes(a.features) for a in [*self._deferred_admits, *admits])
 
     def _stale(self, tracked: list[tuple[Request, Verified, list[int]]]) -> None:
         """Requests still holding decode without a tree until sent: an answer still on its
@@ -365,27 +363,6 @@ class DraftExchange:
         )
 
 
-def _device_hold_cap(device: torch.device | None) -> int:
-    """In process: an eighth of ``device``'s free memory, between ``HELD_BYTES`` and
-    ``HELD_MAX_BYTES`` (``HELD_BYTES`` off CUDA, where the pools are host memory)."""
-    if device is None or device.type != "cuda":
-        return HELD_BYTES
-    free, _ = torch.cuda.mem_get_info(device)
-    return max(HELD_BYTES, min(HELD_MAX_BYTES, free // 8))
-
-
-def _physical_memory() -> int:
-    """The host's memory in bytes (unbounded where the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
 def _gather_rows(features: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``features[rows]`` ([len(rows), F]) without a host synchronisation: a run of rows is a
     view (plain decoding: every row in order), other rows go through an index in pinned memory
@@ -393,35 +370,3 @@ def _gather_rows(features: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return features[rows[0] : rows[0] + len(rows)]
     return features[device_ints(rows, features.device)]
-
-
-@dataclass
-class _Held:
-    """A request's committed steps not sent to the draft yet: each step's bonus token is the
-    next step's node 0, so tokens and features ([accepted + 1, F] per step) concatenate."""
-
-    tokens: list[int] = field(default_factory=list)  # accepted drafts and bonus, step by step
-    chunks: list[torch.Tensor] = field(default_factory=list)  # per step [accepted + 1, F]
-    nbytes: int = 0  # of the chunks
-
-    def add(self, tokens: list[int], chunk: torch.Tensor | None) -> None:
-        self.tokens += tokens
-        if chunk is not None:
-            self.chunks.append(chunk)
-        self.nbytes += _nbytes(chunk)
-
-    def outcome(self, request_id: str) -> VerifyOutcome:
-        features = None
-        chunks = self.chunks
-        if len({c.device for c in chunks}) > 1:
-            # Held on the host during K=0, then a speculative step's chunk on the device (its
-            # forward is done: the step read its verification).
-            chunks = [c.cpu() for c in chunks]
-        if chunks:
-            features = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-        return VerifyOutcome(
-            request_id=request_id,
-            accepted_token_ids=self.tokens[:-1],
-            bonus_token_id=self.tokens[-1],
-            features=features,
-        )

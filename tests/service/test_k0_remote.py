@@ -40,10 +40,10 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
     two_lanes: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tandem.spec import exchange
+    from tandem.spec import hold
 
-    monkeypatch.setattr(exchange, "HELD_BYTES", 64 << 10)  # part flushed during the stretch
-    monkeypatch.setattr(exchange, "HELD_MAX_BYTES", 64 << 10)
+    monkeypatch.setattr(hold, "HELD_BYTES", 64 << 10)  # part flushed during the stretch
+    monkeypatch.setattr(hold, "HELD_MAX_BYTES", 64 << 10)
     prompts = [Feed(9).ids(n) for n in (2, 7, 12, 5, 16)]
     params = SamplingParams(max_new_tokens=104, ignore_eos=True)
     config = EngineConfig(model=ckpts.target, page_size=4)
@@ -82,9 +82,9 @@ def test_k0_holds_features_for_a_draft_service_under_the_host_cap(
     an eighth of the host's memory, not the floor HELD_BYTES: a stretch whose features pass
     HELD_BYTES sends the draft nothing, so no flush makes the draft extend mid-stretch; the
     output is target-only's."""
-    from tandem.spec import exchange
+    from tandem.spec import hold
 
-    monkeypatch.setattr(exchange, "HELD_BYTES", 1 << 10)  # an in-process one would flush (CPU)
+    monkeypatch.setattr(hold, "HELD_BYTES", 1 << 10)  # an in-process one would flush (CPU)
     prompts = [Feed(3).ids(n) for n in (6, 11, 4)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     config = EngineConfig(model=ckpts.target, page_size=4)
@@ -94,9 +94,7 @@ def test_k0_holds_features_for_a_draft_service_under_the_host_cap(
         engine = Engine(config, drafter=remote, spec=SPEC)
         engine.policy = Scripted([False])
         assert engine.exchange is not None
-        assert engine.exchange.held_cap == min(
-            exchange.HELD_MAX_BYTES, exchange._physical_memory() // 8
-        )
+        assert engine.exchange.held_cap == min(hold.HELD_MAX_BYTES, hold.physical_memory() // 8)
         sent: list[int] = []
         submit = remote.submit
 
@@ -112,7 +110,7 @@ def test_k0_holds_features_for_a_draft_service_under_the_host_cap(
             peak = max(peak, engine.exchange._held_bytes([]))
         engine.flush_draft()
         assert [engine.pop_finished(i).token_ids for i in ids] == reference
-        assert peak > exchange.HELD_BYTES and sent == []
+        assert peak > hold.HELD_BYTES and sent == []
         assert_draft_released_all(server)
     finally:
         remote.close()

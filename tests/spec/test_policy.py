@@ -65,9 +65,9 @@ def test_switching_modes_at_any_step_equals_target_only(
 ) -> None:
     """K=0 stretches short and long (past SMALL_HOLD, so held outcomes are flushed while
     K=0 lasts) interleaved with speculation: output equals target-only, nothing leaks."""
-    from tandem.spec import exchange
+    from tandem.spec import hold
 
-    monkeypatch.setattr(exchange, "HELD_BYTES", SMALL_HOLD)
+    monkeypatch.setattr(hold, "HELD_BYTES", SMALL_HOLD)
     engine = ckpts.engine(kind, SpecConfig(num_steps=3, topk=1), page_size=4)
     pattern = [True, False, True, True, False, False, False] + [False] * 67
     engine.policy = Scripted(pattern + [True] * 6)
@@ -96,9 +96,9 @@ def test_speculation_after_a_long_k0_stretch_accepts_as_before(
     paused, which it cannot do unless its KV and features caught up exactly."""
     from transformers import AutoTokenizer
 
-    from tandem.spec import exchange
+    from tandem.spec import hold
 
-    monkeypatch.setattr(exchange, "HELD_BYTES", SMALL_HOLD)
+    monkeypatch.setattr(hold, "HELD_BYTES", SMALL_HOLD)
 
     target = FAMILY / "target"
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -260,9 +260,9 @@ def test_held_features_stay_under_the_cap(
     """Every step K=0: admits (prompt features) and held runs go out only while all held
     features pass HELD_BYTES (runs longest first, down to half); under a large cap nothing
     reaches the draft at all (a request that finishes during K=0 was never admitted there)."""
-    from tandem.spec import exchange
+    from tandem.spec import hold
 
-    monkeypatch.setattr(exchange, "HELD_BYTES", cap)
+    monkeypatch.setattr(hold, "HELD_BYTES", cap)
     engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
     engine.policy = Scripted([False])
     assert engine.drafter is not None and engine.exchange is not None
@@ -359,20 +359,20 @@ def test_the_target_services_warm_up_leaves_the_policy_unmeasured(ckpts: Checkpo
 
 def test_in_process_hold_cap_off_cuda_is_the_floor() -> None:
     """Off CUDA (pools in host memory) K=0 holds up to HELD_BYTES in process."""
-    from tandem.spec import exchange
+    from tandem.spec import hold
 
-    assert exchange._device_hold_cap(None) == exchange.HELD_BYTES
-    assert exchange._device_hold_cap(torch.device("cpu")) == exchange.HELD_BYTES
+    assert hold.device_cap(None) == hold.HELD_BYTES
+    assert hold.device_cap(torch.device("cpu")) == hold.HELD_BYTES
 
 
 @pytest.mark.gpu
 def test_in_process_hold_cap_follows_free_device_memory() -> None:
     """On CUDA, in process, K=0 holds up to an eighth of the device memory free when it first
     holds, between HELD_BYTES and HELD_MAX_BYTES."""
-    from tandem.spec import exchange
+    from tandem.spec import hold
 
-    cap = exchange._device_hold_cap(torch.device("cuda"))
+    cap = hold.device_cap(torch.device("cuda"))
     free, _ = torch.cuda.mem_get_info()
-    expected = max(exchange.HELD_BYTES, min(exchange.HELD_MAX_BYTES, free // 8))
-    assert exchange.HELD_BYTES <= cap <= exchange.HELD_MAX_BYTES
+    expected = max(hold.HELD_BYTES, min(hold.HELD_MAX_BYTES, free // 8))
+    assert hold.HELD_BYTES <= cap <= hold.HELD_MAX_BYTES
     assert abs(cap - expected) <= 64 << 20  # free memory moves a little between the reads
