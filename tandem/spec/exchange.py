@@ -235,9 +235,10 @@ class DraftExchange:
             req.draft_seq += 1
             awaiting[request_id] = req.draft_seq
         started = time.perf_counter_ns()
-        if self._host_copies is not None:
+        if self._host_copies is not None and (admits or outcomes):
             # Held features copied to the host: done before the client reads them (the copies
-            # of the latest K=0 step may still be behind its forward).
+            # of the latest K=0 step may still be behind its forward). A message of released
+            # ids only carries none and does not wait.
             self._host_copies.wait()
         self.drafter.submit(lane, admits, outcomes, released)
         self.wait_ns += time.perf_counter_ns() - started
