@@ -26,6 +26,7 @@ from torch import Tensor
 from kernels._launch import cdiv, expect_device
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SKINNY_DTYPES = (torch.float16, torch.bfloat16)  # what ``linear`` sends to the kernel
 BLOCK_M = 16
 MAX_ROWS = BLOCK_M  # more rows read the weight once per 16: cuBLAS from there
 
@@ -41,9 +42,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     y = skinny_linear(x, weight, **_config(weight.shape[0]))
     return y if bias is None else y.add_(bias)
-
-
-_SKINNY_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _config(n: int) -> dict[str, int]:

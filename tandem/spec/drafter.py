@@ -71,29 +71,15 @@ class _Pair:
     node: int | None = None  # pool index when it is a tree node (scratch entry)
 
 
+@dataclass
 class _Run:
-    """A request's tokens to run through a module in one forward: positions, and hiddens
-    ([len(tokens), H] or None for a module without hidden input)."""
+    """A request's tokens to run through a module in one forward, their positions, and their
+    hiddens ([len(tokens), H], or None for a module without hidden input)."""
 
-    __slots__ = ("hidden", "position", "positions", "request_id", "tokens")
-
-    def __init__(
-        self,
-        request_id: str,
-        tokens: list[int],
-        positions: int | list[int],
-        hidden: torch.Tensor | None,
-    ) -> None:
-        self.request_id = request_id
-        self.tokens = tokens
-        # A committed run's positions are consecutive from ``position``.
-        if isinstance(positions, int):
-            self.position = positions
-            self.positions = list(range(positions, positions + len(tokens)))
-        else:
-            self.position = positions[0] if positions else 0
-            self.positions = positions
-        self.hidden = hidden
+    request_id: str
+    tokens: list[int]
+    positions: list[int]
+    hidden: torch.Tensor | None
 
 
 class ModelDrafter(Drafter):
@@ -217,15 +203,18 @@ class ModelDrafter(Drafter):
         prev_outs: dict[str, tuple[int, torch.Tensor | None, torch.Tensor]] = {}
         for m, module in enumerate(self.modules if rest else ()):
             runs: list[_Run] = []
+            firsts: list[int] = []
             for request_id, _, _ in rest:
                 seq = self.seqs[request_id]
                 first = max(starts[request_id], module.shift)
+                firsts.append(first)
                 hidden = self._committed_hiddens(m, seq, first, prev_outs.get(request_id))
-                runs.append(_Run(request_id, seq.tokens[first:], first - module.shift, hidden))
+                positions = list(range(first - module.shift, len(seq.tokens) - module.shift))
+                runs.append(_Run(request_id, seq.tokens[first:], positions, hidden))
             outs = self._forward(m, runs)
-            for run, out in zip(runs, outs, strict=True):
+            for run, first, out in zip(runs, firsts, outs, strict=True):
                 seq = self.seqs[run.request_id]
-                prev_outs[run.request_id] = (run.position + module.shift, seq.last_out[m], out)
+                prev_outs[run.request_id] = (first, seq.last_out[m], out)
                 if out.shape[0]:
                     seq.last_out[m] = out[-1]
         for request_id, _, _ in updates:
