@@ -33,15 +33,14 @@ MAX_ROWS = BLOCK_M  # more rows read the weight once per 16: cuBLAS from there
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` (`linear_ref`); 2-D bf16/fp16 inputs of at most ``MAX_ROWS`` rows run
-    `skinny_linear` with tiles chosen for the weight's shape (the bias added after)."""
+    `skinny_linear` with tiles chosen for the weight's shape."""
     if x.dim() != 2 or x.dtype not in _SKINNY_DTYPES or not 0 < x.shape[0] <= MAX_ROWS:
         return F.linear(x, weight, bias)
     if weight.dtype != x.dtype or not x.is_cuda or weight.stride(0) != 1:
         # Only weights stored transposed (the target's, DecoderLM.use_transposed_weights): the
         # layout the tiles were measured on.
         return F.linear(x, weight, bias)
-    y = skinny_linear(x, weight, **_config(weight.shape[0]))
-    return y if bias is None else y.add_(bias)
+    return skinny_linear(x, weight, bias, **_config(weight.shape[0]))
 
 
 def _config(n: int) -> dict[str, int]:
@@ -57,6 +56,7 @@ def _config(n: int) -> dict[str, int]:
 def _skinny_kernel(  # type: ignore[no-untyped-def]  # ints unannotated: specialised
     x_ptr: tl.tensor,  # [num_rows, K]
     w_ptr: tl.tensor,  # [N, K] (any strides)
+    bias_ptr: tl.tensor,  # [N] (read only with HAS_BIAS)
     y_ptr: tl.tensor,  # [num_rows, N] contiguous
     num_rows: tl.int64,
     n,  # unannotated: Triton specialises ints of 1 and multiples of 16 (vector loads)
@@ -67,6 +67,7 @@ def _skinny_kernel(  # type: ignore[no-untyped-def]  # ints unannotated: special
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ) -> None:
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,6 +86,8 @@ def _skinny_kernel(  # type: ignore[no-untyped-def]  # ints unannotated: special
             other=0.0,
         )
         acc = tl.dot(x, w, acc, input_precision="ieee")  # fp32: no TF32 rounding
+    if HAS_BIAS:  # added before the one rounding, as cuBLAS's epilogue does
+        acc += tl.load(bias_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rows[:, None] * n + cols[None, :]
     tl.store(
         out, acc.to(y_ptr.dtype.element_ty), mask=(rows < num_rows)[:, None] & (cols < n)[None, :]
@@ -94,13 +97,14 @@ def _skinny_kernel(  # type: ignore[no-untyped-def]  # ints unannotated: special
 def skinny_linear(
     x: Tensor,  # [num_rows, K]
     weight: Tensor,  # [N, K]
+    bias: Tensor | None = None,  # [N]
     *,
     block_n: int = 32,
     block_k: int = 128,
     num_warps: int = 4,
     num_stages: int = 4,
 ) -> Tensor:  # [num_rows, N], x's dtype
-    """``x @ weight.T`` without bias; ``x``'s rows need unit stride along K."""
+    """``x @ weight.T + bias``, one rounding; ``x``'s rows need unit stride along K."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: expected [M, K], [N, K]"
@@ -110,6 +114,13 @@ def skinny_linear(
             f"x, weight: expected one dtype of {_DTYPES}; got {x.dtype}, {weight.dtype}"
         )
     expect_device("weight", weight, x.device)
+    if bias is not None:
+        if bias.shape != (weight.shape[0],) or bias.dtype != x.dtype:
+            raise ValueError(
+                f"bias {tuple(bias.shape)} {bias.dtype}: expected ({weight.shape[0]},) {x.dtype}"
+            )
+        expect_device("bias", bias, x.device)
+        bias = bias.contiguous()
     x = x if x.stride(1) == 1 else x.contiguous()
     num_rows, k = x.shape
     n = weight.shape[0]
@@ -117,11 +128,12 @@ def skinny_linear(
     if num_rows == 0 or n == 0:
         return y
     if k == 0:
-        return y.zero_()
+        return y.zero_() if bias is None else y.copy_(bias.expand(num_rows, n))
     grid = (cdiv(n, block_n), cdiv(num_rows, BLOCK_M))
     _skinny_kernel[grid](
-        x, weight, y, num_rows, n, k, x.stride(0), weight.stride(0), weight.stride(1),
+        x, weight, weight if bias is None else bias, y, num_rows, n, k,
+        x.stride(0), weight.stride(0), weight.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, HAS_BIAS=bias is not None,
     )  # fmt: skip
     return y

@@ -26,8 +26,11 @@ CONFIGS = [
 ]
 
 
-def expected(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return (x.double() @ weight.double().T).to(x.dtype)
+def expected(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    return (out if bias is None else out + bias.double()).to(x.dtype)  # one rounding
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
@@ -46,11 +49,13 @@ def test_skinny_equals_the_matmul(dtype: torch.dtype, shape: tuple[int, int], ro
     gen = torch.Generator().manual_seed(rows * 1000 + k)
     x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
     weight = torch.randn(n, k, generator=gen).to(DEVICE, dtype) / k**0.5
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
     for w in (weight, weight.t().contiguous().t()):  # [out, in] and the transposed storage
         for config in CONFIGS:
-            out = skinny_linear(x, w, **config)
-            assert out.shape == (rows, n) and out.dtype == dtype
-            torch.testing.assert_close(out, expected(x, w), **tolerance(dtype))
+            for b in (None, bias):
+                out = skinny_linear(x, w, b, **config)
+                assert out.shape == (rows, n) and out.dtype == dtype
+                torch.testing.assert_close(out, expected(x, w, b), **tolerance(dtype))
 
 
 def test_a_row_does_not_depend_on_the_others() -> None:
@@ -70,6 +75,10 @@ def test_skinny_checks_its_inputs() -> None:
         skinny_linear(x, torch.ones(4, 9, device=DEVICE))
     with pytest.raises(ValueError, match="dtype"):
         skinny_linear(x, torch.ones(4, 8, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(ValueError, match="bias"):
+        skinny_linear(x, torch.ones(4, 8, device=DEVICE), torch.ones(5, device=DEVICE))
+    bias = torch.arange(4.0, device=DEVICE)
+    assert torch.equal(skinny_linear(x[:, :0], torch.ones(4, 0, device=DEVICE), bias)[1], bias)
     assert skinny_linear(x[:0], torch.ones(4, 8, device=DEVICE)).shape == (0, 4)
 
 
@@ -96,7 +105,7 @@ def test_linear_takes_the_kernel_for_decode_batches_on_cuda() -> None:
     for rows in (1, 4, 16):
         x = torch.randn(rows, 4096, generator=gen).to("cuda", torch.bfloat16)
         ours = linear(x, w, bias)
-        assert torch.equal(ours, skinny_linear(x, w, **skinny._config(6144)).add_(bias))
+        assert torch.equal(ours, skinny_linear(x, w, bias, **skinny._config(6144)))
         torch.testing.assert_close(ours, F.linear(x, w, bias), rtol=2e-2, atol=2e-2)
     x = torch.randn(17, 4096, generator=gen).to("cuda", torch.bfloat16)
     assert torch.equal(linear(x, w, bias), F.linear(x, w, bias))
