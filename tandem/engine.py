@@ -268,6 +268,10 @@ class Engine:
         policy_batch = max(1, min(growing, self.config.max_num_seqs))
         if self.policy is not None:
             speculate = self.policy.speculate(policy_batch)
+        # A draft service taking in new prompts is not waited for: the batch decodes with K=0
+        # meanwhile, steps the policy does not measure.
+        ingesting = speculate and exchange is not None and exchange.ingesting()
+        speculate = speculate and not ingesting
         if not speculate and self.config.overlap:
             reqs = ahead.next_requests(
                 self.scheduler,
@@ -277,7 +281,7 @@ class Engine:
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
             )
             if reqs is not None:
-                return self._step_ahead(reqs, policy_batch, started)
+                return self._step_ahead(reqs, policy_batch, started, settled=not ingesting)
         if self.in_flight is not None:
             return self._drain_ahead(started)  # the ordinary step runs at the next call
         lane = min(lanes, key=lambda n: (n - self.last_lane - 1) % MAX_LANES)
@@ -331,13 +335,14 @@ class Engine:
         if self.policy is not None and all(decoding):
             committed = sum(len(out.new_token_ids) for out in results)
             total_ns = self.last_timing.total_ns
-            self.policy.record(policy_batch, committed, total_ns, settled=not catching_up)
+            settled = not (catching_up or ingesting)
+            self.policy.record(policy_batch, committed, total_ns, settled=settled)
         return results
 
     # -- decoding ahead (tandem/ahead.py) ------------------------------------------------
 
     def _step_ahead(
-        self, reqs: list[Request], policy_batch: int, started: int
+        self, reqs: list[Request], policy_batch: int, started: int, *, settled: bool = True
     ) -> list[RequestOutput]:
         """Launches a plain decode step of ``reqs``, then reads the one in flight before it."""
         exchange, flight = self.exchange, self.in_flight
@@ -371,7 +376,7 @@ class Engine:
         )
         if self.policy is not None and results:
             committed = sum(len(out.new_token_ids) for out in results)
-            self.policy.record(policy_batch, committed, self.last_timing.total_ns)
+            self.policy.record(policy_batch, committed, self.last_timing.total_ns, settled=settled)
         return results
 
     def _drain_ahead(self, started: int) -> list[RequestOutput]:

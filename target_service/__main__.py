@@ -58,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--draft-deadline", type=float, default=float(env("TANDEM_TARGET_DRAFT_DEADLINE", "0.5"))
     )
+    p.add_argument(
+        "--admission-window",
+        type=float,
+        default=float(env("TANDEM_TARGET_ADMISSION_WINDOW", "0.002")),
+        help="seconds an idle target waits after a first request for the rest of its burst, "
+        "so they prefill in one step (stops once none came for a quarter of it; 0: off; "
+        "default: 0.002)",
+    )
     p.add_argument("--page-size", type=int, default=int(env("TANDEM_TARGET_PAGE_SIZE", "16")))
     p.add_argument("--num-pages", type=int, default=env("TANDEM_TARGET_NUM_PAGES", None))
     p.add_argument("--max-num-seqs", type=int, default=int(env("TANDEM_TARGET_MAX_NUM_SEQS", "64")))
@@ -156,6 +164,7 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
         draft_kind=a.draft_kind,
         spec=spec,
         draft_deadline_s=a.draft_deadline,
+        admission_window_s=a.admission_window,
         reflection=a.reflection,
         grace_s=a.grace,
         tls=security.server_tls_from_args(a),
@@ -185,6 +194,7 @@ async def main(config: TargetServiceConfig) -> None:
         engine,
         status=lambda: status(engine, drafter),
         status_interval_s=config.status_interval_s,
+        admission_window_s=config.admission_window_s,
     )
     info = get_info(engine, config)
     target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(loop, info), server)

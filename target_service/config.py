@@ -22,6 +22,9 @@ class TargetServiceConfig:
     spec: SpecConfig | None = None  # S, K, N when a draft is configured
     draft_deadline_s: float = 0.5  # a step's trees must arrive within this, else K=0 that step
     status_interval_s: float = 0.25  # TargetStatus to the gateway at most this often
+    # An idle engine's first admit waits up to this long for the rest of its burst (stopping
+    # once none came for a quarter of it), so prompts arriving together prefill together.
+    admission_window_s: float = 0.002
     reflection: bool = False
     grace_s: float = 10.0  # SIGTERM: drain this long before exiting
     max_message_bytes: int = 64 << 20
@@ -39,6 +42,8 @@ class TargetServiceConfig:
             raise ValueError(f"draft_kind: {self.draft_kind!r} is not one of {DRAFT_KINDS}")
         if self.draft_deadline_s <= 0:
             raise ValueError("draft_deadline_s: must be > 0")
+        if self.admission_window_s < 0:
+            raise ValueError("admission_window_s: must be >= 0")
         if self.grace_s < 0:
             raise ValueError("grace_s: must be >= 0")
         if self.draft_tls is not None and self.draft_addr is None:

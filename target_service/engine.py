@@ -77,10 +77,12 @@ class TargetLoop:
         *,
         status: Callable[[], target_pb2.TargetStatus],
         status_interval_s: float = 0.25,
+        admission_window_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self._status = status
         self._status_interval_s = status_interval_s
+        self._admission_window_s = admission_window_s
         self._inbox: queue.Queue[Admit | Abort | Move | Detach] = queue.Queue()
         self._streams = _Streams()
         self._lock = threading.Lock()  # guards _streams.sinks (servicer adds, loop reads)
@@ -123,6 +125,8 @@ class TargetLoop:
             self._maybe_status()
 
     def _drain(self, *, block: bool) -> None:
+        """Applies what the servicer queued; ``block`` (idle): waits for a first command, then
+        for the rest of an admission burst (see ``_gather``)."""
         try:
             command = self._inbox.get(timeout=self._status_interval_s) if block else None
         except queue.Empty:
@@ -133,7 +137,23 @@ class TargetLoop:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
+                if block and self.engine.has_unfinished():
+                    self._gather()
                 return
+
+    def _gather(self) -> None:
+        """An idle engine just got work: requests of one burst (a client's batch, a gateway
+        forwarding several streams) arrive a fraction of a millisecond apart, and a prefill
+        step launched on the first would leave the others waiting for the whole of it. Takes
+        what arrives within the admission window, until a quarter of it passes with none."""
+        window = self._admission_window_s
+        end = time.monotonic() + window
+        while (left := end - time.monotonic()) > 0:
+            try:
+                command = self._inbox.get(timeout=min(left, window / 4))
+            except queue.Empty:
+                return
+            self._apply(command)
 
     def _apply(self, command: Admit | Abort | Move | Detach) -> None:
         if isinstance(command, Admit):

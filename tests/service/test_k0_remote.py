@@ -1,8 +1,12 @@
 """K=0 steps against a real draft service: they never wait on the draft (answers still being
 drafted are left out and made stale), held runs and admits go out on a lane with no answer
-outstanding, and switching modes at any step leaves greedy output and both pools unchanged."""
+outstanding, and switching modes at any step leaves greedy output and both pools unchanged.
+While the draft takes in new prompts the engine decodes with K=0 instead of waiting."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
@@ -113,4 +117,49 @@ def test_k0_holds_features_for_a_draft_service_under_the_host_cap(
         assert peak > hold.HELD_BYTES and sent == []
         assert_draft_released_all(server)
     finally:
+        remote.close()
+
+
+def test_new_prompts_decode_plainly_while_the_draft_takes_them_in(
+    server: ServerThread,  # noqa: F811 (the imported fixture)
+    ckpts: Ckpts,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A message of INGEST_BYTES of features or more (here: any) is not waited for: with the
+    draft's worker held busy, the steps after the prompts' admission decode with K=0 and
+    return at once (the deadline is 10 s); once the draft answers, speculation resumes on the
+    tokens committed meanwhile, and the output is target-only's."""
+    from tandem.spec import exchange
+
+    monkeypatch.setattr(exchange, "INGEST_BYTES", 1)
+    prompts = [Feed(4).ids(n) for n in (5, 13, 8)]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    config = EngineConfig(model=ckpts.target, page_size=4)
+    reference = [r.token_ids for r in Engine(config).generate(prompts, params)]
+    remote = _remote(server.address, deadline_s=10.0)
+    gate = threading.Event()
+    try:
+        engine = Engine(config, drafter=remote, spec=SPEC)
+        ids = [engine.add_request(p, params) for p in prompts]
+        # The draft's one worker thread waits: the admits' answer cannot come yet.
+        server.server.engine._executor.submit(gate.wait)
+        engine.step()  # the prompts: their features go to the draft
+        for _ in range(4):
+            started = time.monotonic()
+            engine.step()
+            assert not engine.last_speculated
+            assert time.monotonic() - started < 5.0  # not waiting for the answer
+        gate.set()
+        while engine.has_unfinished():
+            engine.step()
+        engine.flush_draft()
+        results = [engine.pop_finished(i) for i in ids]
+        assert [r.token_ids for r in results] == reference
+        assert sum(r.stats.draft_tokens for r in results) > 0  # speculation resumed
+        assert remote.late_steps == 0 and remote.take_dropped() == []
+        alloc = engine.kv.allocator
+        assert alloc.num_free_pages == alloc.num_pages
+        assert_draft_released_all(server)
+    finally:
+        gate.set()
         remote.close()

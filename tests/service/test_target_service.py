@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import queue
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.__main__ import get_info, status
 from target_service.config import TargetServiceConfig
-from target_service.engine import TargetLoop
+from target_service.engine import Admit, TargetLoop
 from target_service.server import TargetServicer
 
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 500, 600, 700], [42]]
@@ -207,3 +209,46 @@ def test_a_cancelled_stream_leaves_no_task_behind(
         asyncio.run(run())
         gc.collect()
     assert "Task was destroyed but it is pending" not in caplog.text
+
+
+def test_an_idle_target_prefills_a_burst_in_one_step(target_dir: Path) -> None:
+    """An idle target's first admit waits (up to the admission window) for the rest of its
+    burst: a second prompt 0.1 s later still prefills in the first step, with a window of 1 s
+    whose quarter is 0.25 s. A lone prompt then waits only that quarter, not the window."""
+    engine = Engine(EngineConfig(model=target_dir, num_pages=256))
+    loop = TargetLoop(
+        engine, status=lambda: status(engine, None), status_interval_s=0.05, admission_window_s=1.0
+    )
+    reports: queue.Queue[target_pb2.ControlResponse] = queue.Queue()
+    loop.attach(1, reports.put)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+    def first_step(ids: list[str]) -> tuple[set[str], float]:
+        """The ids committed in the first step after admitting ``ids`` 0.1 s apart, and how
+        long after the last admit that step reported."""
+        for request_id in ids:
+            time.sleep(0.1)
+            loop.submit(Admit(1, request_id, PROMPTS[1], params, speculate=False))
+        sent = time.monotonic()
+        while (response := reports.get(timeout=30)).WhichOneof("event") != "step":
+            pass
+        return {c.request_id for c in response.step.commits}, time.monotonic() - sent
+
+    loop.start()
+    try:
+        committed, _ = first_step(["a", "b"])
+        assert committed == {"a", "b"}
+        _wait_idle(engine)
+        while not reports.empty():
+            reports.get_nowait()
+        committed, after = first_step(["c"])
+        assert committed == {"c"} and after < 0.9
+    finally:
+        loop.stop()
+
+
+def _wait_idle(engine: Engine, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while engine.has_unfinished():
+        assert time.monotonic() < end, "requests still running"
+        time.sleep(0.01)
