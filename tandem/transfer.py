@@ -12,9 +12,6 @@ the driver whether its source is pinned first, about 0.15 ms a call on the H100 
   target layers per token) concatenated and cast on the device and copied in one go; nothing
   waits, and the returned event marks the copy done (the draft client polls it). Tensors
   already on the host pass through (cast).
-- ``SideCopies``: device tensors copied to pinned host memory on a side stream, so the
-  compute stream's next work does not queue behind the copy (features K=0 holds for a draft
-  service, tandem/spec/exchange.py).
 
 On CPU they are plain ``.to`` calls.
 """
@@ -79,34 +76,6 @@ def to_host(
     host = _pinned_copy(torch.cat([t.to(dtype) for t in on_device]))  # [sum(rows), F]
     copied = iter(host.split([t.shape[0] for t in on_device]))
     return [next(copied) if t.device.type == "cuda" else t.to(dtype) for t in tensors], _recorded()
-
-
-class SideCopies:
-    """Copies device tensors to pinned host memory on a side stream: each copy starts once the
-    work queued so far on the current stream is done, and nothing queued later on that stream
-    waits for it. ``wait`` blocks the host until every copy made so far is done (before a copy
-    is read). On CPU a tensor is its own copy."""
-
-    def __init__(self) -> None:
-        self._stream: torch.cuda.Stream | None = None
-        self._last: torch.cuda.Event | None = None
-
-    def copy(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "cuda":
-            return t
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(t.device)
-        self._stream.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(self._stream):
-            host = _pinned_copy(t)
-            self._last = _recorded()
-        t.record_stream(self._stream)  # the source outlives the copy
-        return host
-
-    def wait(self) -> None:
-        if self._last is not None:
-            self._last.synchronize()
-            self._last = None
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:

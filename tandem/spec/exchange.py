@@ -12,13 +12,14 @@ outcomes are held back per request and merged (tokens and features concatenate e
 draft would have applied them one by one), so the draft does no work while the lane decodes
 plainly. They go out in one extend when speculation resumes, or, while the features held for
 all requests pass the cap, the longest runs go out until half of it is left (that answer's
-trees are unused while K=0 lasts); a request that finishes during K=0 sends nothing. For an
-in-process drafter the features stay on the device under an eighth of the device memory free
-when K=0 first holds; for a draft service, where they would cross to the host anyway, each K=0
-step copies them to pinned host memory on a side stream (``transfer.SideCopies``: the next
-forward does not wait for it) under an eighth of the host's memory (caps: ``hold.py``). So a
-long K=0 stretch at a large batch does not flush features to the draft (a draft extend, on the
-GPU the target uses) every few steps, nor fill device memory.
+trees are unused while K=0 lasts); a request that finishes during K=0 sends nothing. The
+features stay on the device under an eighth of the device memory free when K=0 first holds
+(``hold.device_cap``), for a draft service too: they cross to the host when they are sent, in
+the client's one copy per message. (Copying each K=0 step's features to pinned host memory
+instead allocated pinned blocks step after step, since held ones are not freed: 1.5-2 ms of
+host time a step at bs 64 and 10-65 ms spikes on the H100 host.) So a long K=0 stretch at a
+large batch does not flush features to the draft (a draft extend, on the GPU the target uses)
+every few steps.
 To a draft service (``Drafter.remote``), waiting admits and held runs go out at most
 ``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses together does not resume
 in one message over the stream's cap; a request still holding (or not admitted yet) decodes
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 import torch
 
@@ -50,7 +50,7 @@ from tandem.spec.base import Drafter
 from tandem.spec.hold import Held, nbytes
 from tandem.spec.types import DraftAdmit, SpecConfig, VerifyOutcome
 from tandem.spec.verify import Verified
-from tandem.transfer import SideCopies, device_ints
+from tandem.transfer import device_ints
 
 logger = logging.getLogger(__name__)
 
@@ -85,16 +85,11 @@ class DraftExchange:
         self._catching_up_lanes: set[int] = set()
         # Lanes whose outstanding answer takes in INGEST_BYTES or more of prompt features.
         self._ingesting_lanes: set[int] = set()
-        # K=0 holds features on the host for a draft service (see the module docstring).
-        self._host_copies = SideCopies() if drafter.remote else None
-
-        self._device_cap: int | None = None  # in process: set when K=0 first holds
+        self._device_cap: int | None = None  # set when K=0 first holds
 
     @property
     def held_cap(self) -> int:
         """Bytes of features K=0 holds (runs and admits waiting) before runs go out."""
-        if self._host_copies is not None:
-            return hold.host_cap()
         return hold.HELD_BYTES if self._device_cap is None else self._device_cap
 
     @property
@@ -199,12 +194,8 @@ class DraftExchange:
         # One gather for the whole step; each request's features are a view of it.
         flat = [row for _, _, rows in tracked for row in rows]
         gathered = None if features is None or not flat else _gather_rows(features, flat)
-        if not draft and self._host_copies is None and self._device_cap is None:
+        if not draft and self._device_cap is None:
             self._device_cap = hold.device_cap(None if features is None else features.device)
-        if not draft and self._host_copies is not None:
-            if gathered is not None:
-                gathered = self._host_copies.copy(gathered)
-            admits = [replace(a, features=self._host_copy(a.features)) for a in admits]
         offset = 0
         for req, v, rows in tracked:
             held = self.held.setdefault(req.request_id, Held())
@@ -252,11 +243,6 @@ class DraftExchange:
             req.draft_seq += 1
             awaiting[request_id] = req.draft_seq
         started = time.perf_counter_ns()
-        if self._host_copies is not None and (admits or outcomes):
-            # Held features copied to the host: done before the client reads them (the copies
-            # of the latest K=0 step may still be behind its forward). A message of released
-            # ids only carries none and does not wait.
-            self._host_copies.wait()
         self.drafter.submit(lane, admits, outcomes, released)
         self.wait_ns += time.perf_counter_ns() - started
         self.awaiting[lane] = awaiting
@@ -358,10 +344,6 @@ class DraftExchange:
                 # Its draft state is gone (and so are its prompt features here): no more trees.
                 logger.warning("request %s: dropped by the draft; not speculating", request_id)
                 lost.in_draft = lost.speculate = False
-
-    def _host_copy(self, features: torch.Tensor | None) -> torch.Tensor | None:
-        assert self._host_copies is not None
-        return None if features is None else self._host_copies.copy(features)
 
     def _features_complete(self, admit: DraftAdmit) -> bool:
         if not self.drafter.target_layer_ids:

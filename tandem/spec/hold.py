@@ -1,15 +1,13 @@
 """What K=0 steps hold back for the draft (``tandem.spec.exchange``): each request's committed
 steps merged (``Held``), and how many bytes of features all holds may take before runs go out.
 
-In process the features stay on the device, up to an eighth of its memory free when K=0 first
-holds (``device_cap``); toward a draft service they sit in pinned host memory, up to an eighth
-of the host's (``host_cap``); both between ``HELD_BYTES`` and ``HELD_MAX_BYTES``. Read at call
-time, so tests may lower them.
+The features stay on the device (for a draft service too, until they are sent), up to an
+eighth of its memory free when K=0 first holds (``device_cap``), between ``HELD_BYTES`` and
+``HELD_MAX_BYTES``. Read at call time, so tests may lower them.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -17,30 +15,16 @@ import torch
 from tandem.spec.types import VerifyOutcome
 
 HELD_BYTES = 256 << 20  # features K=0 holds (all requests) at least, before runs go out
-HELD_MAX_BYTES = 4 << 30  # at most (and at most 1/8 of free device memory or host memory)
+HELD_MAX_BYTES = 4 << 30  # at most (and at most 1/8 of free device memory)
 
 
 def device_cap(device: torch.device | None) -> int:
-    """In process: an eighth of ``device``'s free memory, between ``HELD_BYTES`` and
+    """An eighth of ``device``'s free memory, between ``HELD_BYTES`` and
     ``HELD_MAX_BYTES`` (``HELD_BYTES`` off CUDA, where the pools are host memory)."""
     if device is None or device.type != "cuda":
         return HELD_BYTES
     free, _ = torch.cuda.mem_get_info(device)
     return max(HELD_BYTES, min(HELD_MAX_BYTES, free // 8))
-
-
-def host_cap() -> int:
-    """Toward a draft service: an eighth of the host's memory, between ``HELD_BYTES`` and
-    ``HELD_MAX_BYTES``."""
-    return max(HELD_BYTES, min(HELD_MAX_BYTES, physical_memory() // 8))
-
-
-def physical_memory() -> int:
-    """The host's memory in bytes (unbounded where the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
 
 
 def nbytes(t: torch.Tensor | None) -> int:

@@ -117,9 +117,8 @@ class DraftAdmit:
         features, rows = self.features, outcome.features
         if features is not None and rows is not None:
             if rows.device != features.device:
-                # One held on the host (K=0 toward a draft service), the other a speculative
-                # step's on the device (its forward done): they meet on the host, where the
-                # client sends them from.
+                # One already on the host, the other a step's on the device (its forward
+                # done): they meet on the host, where a draft client sends them from.
                 features, rows = features.cpu(), rows.cpu()
             features = torch.cat([features, rows.to(features.dtype)])
         tokens = [*self.token_ids, *outcome.accepted_token_ids, outcome.bonus_token_id]

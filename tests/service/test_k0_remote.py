@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
@@ -77,18 +78,16 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
         remote.close()
 
 
-def test_k0_holds_features_for_a_draft_service_under_the_host_cap(
+def test_k0_holds_features_for_a_draft_service_as_in_process(
     server: ServerThread,  # noqa: F811 (the imported fixture)
     ckpts: Ckpts,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Toward a draft service K=0 holds features (on the host on CUDA) up to HELD_MAX_BYTES or
-    an eighth of the host's memory, not the floor HELD_BYTES: a stretch whose features pass
-    HELD_BYTES sends the draft nothing, so no flush makes the draft extend mid-stretch; the
-    output is target-only's."""
+    """Toward a draft service K=0 holds features where the step left them (the device on
+    CUDA), under the same cap as in process (on CPU the floor HELD_BYTES): a stretch under it
+    sends the draft nothing, so no flush makes the draft extend mid-stretch; the output is
+    target-only's."""
     from tandem.spec import hold
 
-    monkeypatch.setattr(hold, "HELD_BYTES", 1 << 10)  # an in-process one would flush (CPU)
     prompts = [Feed(3).ids(n) for n in (6, 11, 4)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     config = EngineConfig(model=ckpts.target, page_size=4)
@@ -98,7 +97,6 @@ def test_k0_holds_features_for_a_draft_service_under_the_host_cap(
         engine = Engine(config, drafter=remote, spec=SPEC)
         engine.policy = Scripted([False])
         assert engine.exchange is not None
-        assert engine.exchange.held_cap == min(hold.HELD_MAX_BYTES, hold.physical_memory() // 8)
         sent: list[int] = []
         submit = remote.submit
 
@@ -114,7 +112,8 @@ def test_k0_holds_features_for_a_draft_service_under_the_host_cap(
             peak = max(peak, engine.exchange._held_bytes([]))
         engine.flush_draft()
         assert [engine.pop_finished(i).token_ids for i in ids] == reference
-        assert peak > hold.HELD_BYTES and sent == []
+        assert engine.exchange.held_cap == hold.device_cap(torch.device("cpu"))
+        assert 0 < peak <= hold.HELD_BYTES and sent == []
         assert_draft_released_all(server)
     finally:
         remote.close()

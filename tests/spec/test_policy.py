@@ -386,9 +386,9 @@ def test_in_process_hold_cap_follows_free_device_memory() -> None:
     ],
 )
 def test_an_admit_joins_its_run_wherever_each_was_held(admit_on: str, run_on: str) -> None:
-    """Toward a draft service an admit deferred by K=0 sits on the host and a speculative
-    step's run on the device, or the other way round: joined, they meet on the host (where
-    the client sends from); tokens and features follow each other as the draft applies them."""
+    """An admit and its run on different devices (one already on the host) meet on the host,
+    where a draft client sends from; tokens and features follow each other as the draft
+    applies them."""
     from tandem.spec.types import DraftAdmit, VerifyOutcome
 
     features = torch.arange(12.0).reshape(3, 4)
