@@ -38,6 +38,26 @@ class Scripted(SpecPolicy):
         return on
 
 
+def assert_pools_free(engine: Engine, server: ServerThread) -> None:  # noqa: F811
+    """Every page back in the target's pool and the draft's."""
+    alloc = engine.kv.allocator
+    assert alloc.num_free_pages == alloc.num_pages
+    assert_draft_released_all(server)
+
+
+def workload(
+    ckpts: Ckpts,  # noqa: F811
+    feed: Feed,
+    lengths: tuple[int, ...],
+    max_new_tokens: int,
+) -> tuple[list[list[int]], SamplingParams, EngineConfig, list[list[int]]]:
+    """Prompts of ``lengths``, greedy params, the engine config and target-only's output."""
+    prompts = [feed.ids(n) for n in lengths]
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    config = EngineConfig(model=ckpts.target, page_size=4)
+    return prompts, params, config, [r.token_ids for r in Engine(config).generate(prompts, params)]
+
+
 @pytest.mark.parametrize("two_lanes", [False, True])
 def test_k0_stretches_through_the_draft_service_equal_target_only(
     server: ServerThread,  # noqa: F811 (the imported fixture)
@@ -49,10 +69,7 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
 
     monkeypatch.setattr(hold, "HELD_BYTES", 64 << 10)  # part flushed during the stretch
     monkeypatch.setattr(hold, "HELD_MAX_BYTES", 64 << 10)
-    prompts = [Feed(9).ids(n) for n in (2, 7, 12, 5, 16)]
-    params = SamplingParams(max_new_tokens=104, ignore_eos=True)
-    config = EngineConfig(model=ckpts.target, page_size=4)
-    reference = [r.token_ids for r in Engine(config).generate(prompts, params)]
+    prompts, params, config, reference = workload(ckpts, Feed(9), (2, 7, 12, 5, 16), 104)
     remote = _remote(server.address, deadline_s=10.0)
     try:
         engine = Engine(config, drafter=remote, spec=SPEC)
@@ -71,9 +88,7 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
         assert engine.exchange is not None and not engine.exchange.held
         assert engine.exchange.unwaited_answers > 0  # K=0 steps went ahead of answers
         assert remote.take_dropped() == []
-        alloc = engine.kv.allocator
-        assert alloc.num_free_pages == alloc.num_pages
-        assert_draft_released_all(server)
+        assert_pools_free(engine, server)
     finally:
         remote.close()
 
@@ -88,10 +103,7 @@ def test_k0_holds_features_for_a_draft_service_as_in_process(
     target-only's."""
     from tandem.spec import hold
 
-    prompts = [Feed(3).ids(n) for n in (6, 11, 4)]
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    config = EngineConfig(model=ckpts.target, page_size=4)
-    reference = [r.token_ids for r in Engine(config).generate(prompts, params)]
+    prompts, params, config, reference = workload(ckpts, Feed(3), (6, 11, 4), 40)
     remote = _remote(server.address, deadline_s=10.0)
     try:
         engine = Engine(config, drafter=remote, spec=SPEC)
@@ -131,10 +143,7 @@ def test_new_prompts_decode_plainly_while_the_draft_takes_them_in(
     from tandem.spec import exchange
 
     monkeypatch.setattr(exchange, "INGEST_BYTES", 1)
-    prompts = [Feed(4).ids(n) for n in (5, 13, 8)]
-    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    config = EngineConfig(model=ckpts.target, page_size=4)
-    reference = [r.token_ids for r in Engine(config).generate(prompts, params)]
+    prompts, params, config, reference = workload(ckpts, Feed(4), (5, 13, 8), 32)
     remote = _remote(server.address, deadline_s=10.0)
     gate = threading.Event()
     try:
@@ -156,9 +165,7 @@ def test_new_prompts_decode_plainly_while_the_draft_takes_them_in(
         assert [r.token_ids for r in results] == reference
         assert sum(r.stats.draft_tokens for r in results) > 0  # speculation resumed
         assert remote.late_steps == 0 and remote.take_dropped() == []
-        alloc = engine.kv.allocator
-        assert alloc.num_free_pages == alloc.num_pages
-        assert_draft_released_all(server)
+        assert_pools_free(engine, server)
     finally:
         gate.set()
         remote.close()
