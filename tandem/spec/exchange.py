@@ -102,7 +102,6 @@ class DraftExchange:
     def ingesting(self) -> bool:
         """Whether a draft service is still taking in new prompts (that answer in flight): the
         next step decodes with K=0 rather than wait for it (see the module docstring)."""
-        self._ingesting_lanes &= self.awaiting.keys()
         return any(self.drafter.in_flight(lane) for lane in self._ingesting_lanes)
 
     def other_lane_in_flight(self, lane: int) -> bool:

@@ -49,10 +49,6 @@ class Held:
     def outcome(self, request_id: str) -> VerifyOutcome:
         features = None
         chunks = self.chunks
-        if len({c.device for c in chunks}) > 1:
-            # Held on the host during K=0, then a speculative step's chunk on the device (its
-            # forward is done: the step read its verification).
-            chunks = [c.cpu() for c in chunks]
         if chunks:
             features = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         return VerifyOutcome(

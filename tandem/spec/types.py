@@ -114,13 +114,9 @@ class DraftAdmit:
     def then(self, outcome: VerifyOutcome) -> DraftAdmit:
         """The admit of the tokens after ``outcome`` too (features [len(token_ids) - 1, F]):
         what the draft holds once it applied both."""
-        features, rows = self.features, outcome.features
-        if features is not None and rows is not None:
-            if rows.device != features.device:
-                # One already on the host, the other a step's on the device (its forward
-                # done): they meet on the host, where a draft client sends them from.
-                features, rows = features.cpu(), rows.cpu()
-            features = torch.cat([features, rows.to(features.dtype)])
+        features = self.features
+        if features is not None and outcome.features is not None:
+            features = torch.cat([features, outcome.features.to(features.dtype)])
         tokens = [*self.token_ids, *outcome.accepted_token_ids, outcome.bonus_token_id]
         return replace(self, token_ids=tokens, features=features)
 
