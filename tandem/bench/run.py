@@ -241,7 +241,15 @@ def _services(config: BenchConfig, mc: ModelConfig, say: Callable[[str], None]) 
             for bs in config.batch_sizes:
                 say(f"services bs={bs}")
                 rows.append(
-                    services.through_gateway(gateway, mc.vocab_size, bs, config.workload, probe)
+                    services.through_gateway(
+                        gateway,
+                        mc.vocab_size,
+                        bs,
+                        config.workload,
+                        probe,
+                        positions=config.spec_steps,
+                        log_dir=log_dir,
+                    )
                 )
                 say(_done(rows[-1]))
                 rows.append(

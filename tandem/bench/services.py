@@ -9,6 +9,9 @@ Two measurements per batch size, each its own row:
   gateway does (``bench/cycle_overhead.py``), to read every step's ``StepStats``: the cycle
   split into draft / verify / wire+host and the acceptance per draft position. One lane.
 
+The gateway rows get the same columns from the target's step log
+(``tandem.bench.synced_target.ENV_STEP_LOG``): the steps sent while a measured round ran.
+
 The target runs under ``tandem.bench.synced_target`` (the target service with the forward
 synchronised, as in process) and, with ``simulate_accept_length``, with
 ``TANDEM_SIMULATE_ACCEPT_LENGTH`` in its environment.
@@ -34,7 +37,7 @@ import grpc
 from google.protobuf import json_format
 
 from tandem import profiling
-from tandem.bench import idle
+from tandem.bench import idle, synced_target
 from tandem.bench.inprocess import Workload, fill_latency, prompts
 from tandem.bench.report import Row, median_ms
 from tandem.config import EngineConfig
@@ -86,11 +89,17 @@ def start_stack(
         if svc.name == "draft" and draft_device is not None:
             svc.args[svc.args.index("--device") + 1] = draft_device
     env = {} if probe is None else probe.env()
+    env[synced_target.ENV_STEP_LOG] = str(step_log(log_dir))
     if simulate_accept_length is not None:
         env[simulate.ENV_VAR] = str(simulate_accept_length)
     with mock.patch.dict(os.environ, env):  # the services inherit it; this process does not
         stack.start(log_dir=log_dir)
     return stack
+
+
+def step_log(log_dir: Path) -> Path:
+    """Where the benchmark's target logs its steps."""
+    return log_dir / "target-steps.jsonl"
 
 
 def port_of(stack: Stack, name: str) -> int:
@@ -172,17 +181,29 @@ def plan_probe(root: Path, w: Workload, max_batch: int, spec_steps: int) -> Idle
 
 
 def through_gateway(
-    port: int, vocab: int, batch_size: int, w: Workload, probe: IdleProbe | None = None
+    port: int,
+    vocab: int,
+    batch_size: int,
+    w: Workload,
+    probe: IdleProbe | None = None,
+    *,
+    positions: int = 0,
+    log_dir: Path | None = None,
 ) -> Row:
+    """``batch_size`` Generate streams a round. With ``log_dir`` (the stack's), the target's
+    steps during the measured rounds fill the cycle columns and ``steps-bsN-gateway.jsonl``."""
+
     async def main() -> Row:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             if w.warmup_tokens:
                 await _gateway_round(stub, prompts(vocab, batch_size, w.prompt_len, 99), w)
-            rounds = [
-                await _gateway_round(stub, prompts(vocab, batch_size, w.prompt_len, r), w, True)
-                for r in range(w.rounds)
-            ]
+            rounds = []
+            for r in range(w.rounds):
+                start = time.monotonic_ns()
+                batch = prompts(vocab, batch_size, w.prompt_len, r)
+                rounds.append(await _gateway_round(stub, batch, w, True))
+                windows.append((start, time.monotonic_ns()))
             if probe is not None:
                 out_dir = probe.arm(f"bs{batch_size}-services")
                 batch = prompts(vocab, batch_size, w.prompt_len, 98)
@@ -205,7 +226,18 @@ def through_gateway(
         fill_latency(row, tpots, ttfts)
         return row
 
-    return asyncio.run(main())
+    windows: list[tuple[int, int]] = []
+    row = asyncio.run(main())
+    if log_dir is not None:
+        time.sleep(0.2)  # the target's writer thread is a step or so behind
+        steps = [
+            step
+            for start, end in windows
+            for step in synced_target.read_steps(step_log(log_dir), start, end)
+        ]
+        _fill_steps(row, steps, positions)
+        _write_steps(log_dir / f"steps-bs{batch_size}-gateway.jsonl", steps)
+    return row
 
 
 _Record = tuple[float, float | None, int, common_pb2.Usage]  # ttft ms, tpot ms, tokens, usage
@@ -286,10 +318,13 @@ def through_control(
         if probe is not None:
             probe.collect(out_dir, row)
         row.tokens_per_s = row.output_tokens / row.duration_s
-        _finish_control(row, log, positions)
+        fill_latency(row, log.tpots, log.ttfts)
+        _fill_steps(row, log.steps, positions)
+        if log.steps:
+            verify_steps = sum(s.batch_size for s in log.steps)
+            row.accept_length = sum(s.num_committed_tokens for s in log.steps) / verify_steps
         if steps_file is not None:
-            lines = (json_format.MessageToJson(s, indent=None) for s in log.steps)
-            steps_file.write_text("".join(f"{line}\n" for line in lines))
+            _write_steps(steps_file, log.steps)
         return row
 
     return asyncio.run(main())
@@ -359,21 +394,22 @@ async def _control_round(
             log.tpots.append((last[rid] - first[rid]) * 1e3 / (n - 1))
 
 
-def _finish_control(row: Row, log: _ControlLog, positions: int) -> None:
-    steps = log.steps
-    fill_latency(row, log.tpots, log.ttfts)
+def _fill_steps(row: Row, steps: list[target_pb2.StepStats], positions: int) -> None:
+    """The cycle columns (medians) and the acceptance per draft position of ``steps``."""
     if not steps:
         return
     row.cycle_ms = median_ms([s.step_ns for s in steps])
     row.verify_ms = median_ms([s.verify_ns for s in steps])
     row.draft_ms = median_ms([s.draft_ns for s in steps])
     row.wire_host_ms = median_ms([s.wire_ns + s.host_ns for s in steps])
-    verify_steps = sum(s.batch_size for s in steps)
-    committed = sum(s.num_committed_tokens for s in steps)
-    row.accept_length = committed / verify_steps
     drafts = sum(s.num_speculating for s in steps)
     per_pos = [0] * positions
     for s in steps:
         for d, n in enumerate(list(s.num_accepted_per_pos)[:positions]):
             per_pos[d] += n
     row.acceptance_per_position = [n / drafts for n in per_pos] if drafts else []
+
+
+def _write_steps(path: Path, steps: list[target_pb2.StepStats]) -> None:
+    lines = (json_format.MessageToJson(s, indent=None) for s in steps)
+    path.write_text("".join(f"{line}\n" for line in lines))

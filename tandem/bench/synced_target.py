@@ -2,23 +2,37 @@
 followed by a device synchronisation so that StepStats.verify_ns is the forward's GPU time
 (``tandem.bench.inprocess.synced_forward``; a no-op on CPU), except in steps decoding ahead
 (``tandem.ahead``), which nothing may wait for. Garbage collections of 2 ms or more are logged,
-so that a slow step in StepStats can be told from a collection. Flags as
-``python -m target_service``."""
+so that a slow step in StepStats can be told from a collection. With ``TANDEM_BENCH_STEP_LOG``
+set, every step that verified something is appended there as one JSON line (its StepStats and
+``monotonic_ns``, the ``time.monotonic_ns()`` it was sent at, one clock for every process on
+the host) by a writer thread, so that the benchmark can read the steps of the rounds it sent
+through the gateway (:func:`read_steps`). Flags as ``python -m target_service``."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
+from google.protobuf import json_format
 
 import target_service.__main__ as target_main
 from tandem import serving
 from tandem.runner import ModelInputs, ModelRunner
+from tandem.v1 import target_pb2
+from target_service.engine import TargetLoop
 
 logger = logging.getLogger("tandem.bench.synced_target")
+
+ENV_STEP_LOG = "TANDEM_BENCH_STEP_LOG"
 
 
 def _synced(forward: Any) -> Any:
@@ -32,7 +46,46 @@ def _synced(forward: Any) -> Any:
     return run
 
 
+def _logged(send: Any, path: Path) -> Any:
+    """``TargetLoop._send`` that also queues each step's stats for a writer thread (the step
+    thread pays one queue put; serialising and writing happen off it)."""
+    pending: queue.SimpleQueue[tuple[int, bytes]] = queue.SimpleQueue()
+
+    def write() -> None:
+        with path.open("a", buffering=1) as f:  # a line at a time: a reader sees whole steps
+            while True:
+                at, raw = pending.get()
+                stats = json_format.MessageToDict(target_pb2.StepStats.FromString(raw))
+                f.write(json.dumps({"monotonicNs": at, **stats}) + "\n")
+
+    threading.Thread(target=write, name="step-log", daemon=True).start()
+
+    @functools.wraps(send)
+    def run(self: TargetLoop, commits: Any, stats: Any = None, lane: int = 0) -> None:
+        if stats is not None and stats.batch_size:
+            pending.put((time.monotonic_ns(), stats.SerializeToString()))
+        send(self, commits, stats, lane)
+
+    return run
+
+
+def read_steps(path: Path, start_ns: int, end_ns: int) -> list[target_pb2.StepStats]:
+    """The steps logged in ``path`` (``TANDEM_BENCH_STEP_LOG``) sent within
+    [start_ns, end_ns] of ``time.monotonic_ns()``."""
+    steps: list[target_pb2.StepStats] = []
+    if not path.exists():
+        return steps
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if start_ns <= int(record.pop("monotonicNs")) <= end_ns:
+            steps.append(json_format.ParseDict(record, target_pb2.StepStats()))
+    return steps
+
+
 if __name__ == "__main__":
     serving.log_gc_pauses(logger)
     ModelRunner.forward = _synced(ModelRunner.forward)  # type: ignore[method-assign]
+    step_log = os.environ.get(ENV_STEP_LOG)
+    if step_log:
+        TargetLoop._send = _logged(TargetLoop._send, Path(step_log))  # type: ignore[method-assign]
     asyncio.run(target_main.main(target_main.parse_args()))

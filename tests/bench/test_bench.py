@@ -51,11 +51,17 @@ def test_bench_smoke(tmp_path: Path) -> None:
         for bs in (1, 2):
             # A random head alone accepts ~nothing; the simulated mean is 3.
             assert rows[(mode, bs)]["accept_length"] > 1.5, (mode, bs)
-    for mode in ("spec", "services-control"):
+    for mode in ("spec", "services", "services-control"):  # services: the target's step log
         row = rows[(mode, 1)]
         assert len(row["acceptance_per_position"]) == S
         assert row["cycle_ms"] >= row["verify_ms"] > 0 and row["draft_ms"] > 0
         assert row["wire_host_ms"] > 0
+    for bs in (1, 2):
+        steps = (tmp_path / "logs" / f"steps-bs{bs}-gateway.jsonl").read_text().splitlines()
+        # The measured round's steps only (not the warm-up's 3 tokens a request): 12 tokens a
+        # request, the first from its prefill (a step of its own unless it joined a decode).
+        committed = sum(json.loads(line)["numCommittedTokens"] for line in steps)
+        assert 11 * bs <= committed <= 12 * bs, steps
     assert rows[("target-only", 1)]["draft_ms"] is None
     assert "perf only" in result["settings"]["Simulated accept length"]
     for mode in ("services", "services-control"):
