@@ -30,8 +30,11 @@ limit: S, K and N are the deployment's; a lane's choice is between them and K=0.
 from __future__ import annotations
 
 import enum
+import logging
 import statistics
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 # Batch sizes are grouped like the graph buckets: the throughput of 9 and 15 requests is alike.
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -166,6 +169,17 @@ class SpecPolicy:
         b.debt_ns = max(0.0, ns - tokens / max(rates[best], 1e-9) * 1e9)
         b.contested = self._better(b.typical) is not best
         b.decisions += 1
+        logger.info(
+            "batch %d: %s (windows: speculation %.0f tok/s, K=0 %.0f tok/s; median steps "
+            "%.0f / %.0f; %d catch-up steps skipped)",
+            batch_size,
+            "speculate" if best is Mode.SPECULATE else "K=0",
+            rates[Mode.SPECULATE],
+            rates[Mode.PLAIN],
+            b.typical.get(Mode.SPECULATE, 0.0),
+            b.typical.get(Mode.PLAIN, 0.0),
+            b.unsettled,
+        )
         self._switch(b, best, measuring=False)
 
     def _better(self, rates: dict[Mode, float]) -> Mode:
