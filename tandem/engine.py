@@ -281,7 +281,7 @@ class Engine:
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
             )
             if reqs is not None:
-                return self._step_ahead(reqs, policy_batch, started, settled=not ingesting)
+                return self._step_ahead(reqs, policy_batch, started, ingesting=ingesting)
         if self.in_flight is not None:
             return self._drain_ahead(started)  # the ordinary step runs at the next call
         lane = min(lanes, key=lambda n: (n - self.last_lane - 1) % MAX_LANES)
@@ -335,14 +335,15 @@ class Engine:
         if self.policy is not None and all(decoding):
             committed = sum(len(out.new_token_ids) for out in results)
             total_ns = self.last_timing.total_ns
-            settled = not (catching_up or ingesting)
-            self.policy.record(policy_batch, committed, total_ns, settled=settled)
+            self.policy.record(
+                policy_batch, committed, total_ns, settled=not catching_up, ingesting=ingesting
+            )
         return results
 
     # -- decoding ahead (tandem/ahead.py) ------------------------------------------------
 
     def _step_ahead(
-        self, reqs: list[Request], policy_batch: int, started: int, *, settled: bool = True
+        self, reqs: list[Request], policy_batch: int, started: int, *, ingesting: bool = False
     ) -> list[RequestOutput]:
         """Launches a plain decode step of ``reqs``, then reads the one in flight before it."""
         exchange, flight = self.exchange, self.in_flight
@@ -376,7 +377,8 @@ class Engine:
         )
         if self.policy is not None and results:
             committed = sum(len(out.new_token_ids) for out in results)
-            self.policy.record(policy_batch, committed, self.last_timing.total_ns, settled=settled)
+            total_ns = self.last_timing.total_ns
+            self.policy.record(policy_batch, committed, total_ns, ingesting=ingesting)
         return results
 
     def _drain_ahead(self, started: int) -> list[RequestOutput]:

@@ -121,13 +121,25 @@ class SpecPolicy:
         return self._last is Mode.SPECULATE
 
     def record(
-        self, batch_size: int, committed_tokens: int, step_ns: int, *, settled: bool = True
+        self,
+        batch_size: int,
+        committed_tokens: int,
+        step_ns: int,
+        *,
+        settled: bool = True,
+        ingesting: bool = False,
     ) -> None:
         """One step of ``batch_size`` requests in the mode ``speculate`` returned for it.
         ``settled=False``: the draft is still catching up after K=0 (runs or admits waiting);
         a measuring window skips up to ``max_unsettled_steps`` such steps, so it measures
-        speculation itself (the catch-up is a switch's cost, which ``margin`` covers)."""
+        speculation itself (the catch-up is a switch's cost, which ``margin`` covers).
+        ``ingesting``: the step decoded with K=0 whatever the choice, while a draft service
+        took in new prompts (``DraftExchange.ingesting``); a window measures neither mode by
+        it, however many there are (they are plain steps: counted in a speculation window,
+        they made it as fast as K=0, and noise chose speculation at bs 8 and 64)."""
         c, b = self.config, self._bucket(batch_size)
+        if ingesting and b.measuring:
+            return
         if not settled and b.measuring and b.unsettled < c.max_unsettled_steps:
             b.unsettled += 1
             b.catch_up = (b.catch_up[0] + committed_tokens, b.catch_up[1] + step_ns)
@@ -216,7 +228,13 @@ class NeverSpeculate(SpecPolicy):
         return False
 
     def record(
-        self, batch_size: int, committed_tokens: int, step_ns: int, *, settled: bool = True
+        self,
+        batch_size: int,
+        committed_tokens: int,
+        step_ns: int,
+        *,
+        settled: bool = True,
+        ingesting: bool = False,
     ) -> None:
         pass
 

@@ -138,8 +138,21 @@ def test_new_prompts_decode_plainly_while_the_draft_takes_them_in(
 ) -> None:
     """A message of INGEST_BYTES of features or more (here: any) is not waited for: with the
     draft's worker held busy, the steps after the prompts' admission decode with K=0 and
-    return at once (the deadline is 10 s); once the draft answers, speculation resumes on the
-    tokens committed meanwhile, and the output is target-only's."""
+    return at once (the deadline is 10 s), telling the policy they measure neither mode; once
+    the draft answers, speculation resumes on the tokens committed meanwhile, and the output
+    is target-only's."""
+
+    class Told(SpecPolicy):  # always speculates; remembers each step's ``ingesting``
+        def __init__(self) -> None:
+            super().__init__()
+            self.ingesting: list[bool] = []
+
+        def speculate(self, batch_size: int) -> bool:
+            return True
+
+        def record(self, *args: int, ingesting: bool = False, **kwargs: bool) -> None:
+            self.ingesting.append(ingesting)
+
     from tandem.spec import exchange
 
     monkeypatch.setattr(exchange, "INGEST_BYTES", 1)
@@ -148,6 +161,7 @@ def test_new_prompts_decode_plainly_while_the_draft_takes_them_in(
     gate = threading.Event()
     try:
         engine = Engine(config, drafter=remote, spec=SPEC)
+        engine.policy = told = Told()
         ids = [engine.add_request(p, params) for p in prompts]
         # The draft's one worker thread waits: the admits' answer cannot come yet.
         server.server.engine._executor.submit(gate.wait)
@@ -157,6 +171,7 @@ def test_new_prompts_decode_plainly_while_the_draft_takes_them_in(
             engine.step()
             assert not engine.last_speculated
             assert time.monotonic() - started < 5.0  # not waiting for the answer
+        assert told.ingesting and all(told.ingesting)  # decoding-ahead steps record late
         gate.set()
         while engine.has_unfinished():
             engine.step()
@@ -164,6 +179,7 @@ def test_new_prompts_decode_plainly_while_the_draft_takes_them_in(
         results = [engine.pop_finished(i) for i in ids]
         assert [r.token_ids for r in results] == reference
         assert sum(r.stats.draft_tokens for r in results) > 0  # speculation resumed
+        assert not told.ingesting[-1]
         assert remote.late_steps == 0 and remote.take_dropped() == []
         assert_pools_free(engine, server)
     finally:

@@ -295,9 +295,7 @@ class _Recording(Scripted):
         super().__init__(pattern)
         self.told: list[tuple[bool, bool]] = []  # (speculated, settled)
 
-    def record(
-        self, batch_size: int, committed_tokens: int, step_ns: int, *, settled: bool = True
-    ) -> None:
+    def record(self, *args: int, settled: bool = True, **kwargs: bool) -> None:
         self.told.append((self.pattern[(self.step - 1) % len(self.pattern)], settled))
 
 
@@ -332,11 +330,9 @@ def test_a_growing_batch_is_decided_at_the_size_it_grows_to(ckpts: Checkpoints) 
             self.asked.append(batch_size)
             return super().speculate(batch_size)
 
-        def record(
-            self, batch_size: int, committed_tokens: int, step_ns: int, *, settled: bool = True
-        ) -> None:
+        def record(self, batch_size: int, *args: int, **kwargs: bool) -> None:
             self.measured.append(batch_size)
-            super().record(batch_size, committed_tokens, step_ns, settled=settled)
+            super().record(batch_size, *args, **kwargs)
 
     engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
     engine.policy = policy = Sizes()
