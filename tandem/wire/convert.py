@@ -21,6 +21,7 @@ from tandem.v1 import common_pb2, draft_pb2
 from tandem.wire.frames import (
     MAX_FRAME_BYTES,
     _field,
+    add_frames,
     tensor_from_frames,
     tensor_to_frames,
 )
@@ -262,8 +263,9 @@ def outcome_to_proto(
         accepted_node_indices=accepted_node_indices,
     )
     if outcome.features is not None:
-        frames = tensor_to_frames(HIDDEN_STATES, outcome.features, max_chunk_bytes=max_frame_bytes)
-        msg.hidden_states.extend(frames)
+        add_frames(
+            msg.hidden_states, HIDDEN_STATES, outcome.features, max_chunk_bytes=max_frame_bytes
+        )
     return msg
 
 

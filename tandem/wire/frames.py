@@ -13,11 +13,14 @@ memory; importing this module on a big-endian host fails rather than corrupting 
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from tandem.errors import InvalidRequest
 from tandem.v1 import common_pb2
@@ -92,27 +95,43 @@ def tensor_to_frames(
     Chunk 0 carries dtype and shape; every chunk carries name, counts and offsets. An empty
     tensor is one frame with no data.
     """
+    return [TensorFrame(**fields) for fields in _frame_fields(name, t, max_chunk_bytes)]
+
+
+def add_frames(
+    frames: RepeatedCompositeFieldContainer[TensorFrame],
+    name: str,
+    t: torch.Tensor,
+    *,
+    max_chunk_bytes: int = MAX_FRAME_BYTES,
+) -> None:
+    """Appends `tensor_to_frames`'s frames to a repeated TensorFrame field, built in place:
+    appending a built frame copies its bytes once more (a step's outcome features cross the
+    host several times already)."""
+    for fields in _frame_fields(name, t, max_chunk_bytes):
+        frames.add(**fields)
+
+
+def _frame_fields(name: str, t: torch.Tensor, max_chunk_bytes: int) -> Iterator[dict[str, Any]]:
+    """Each frame's fields, in order (a tensor in one chunk takes its bytes as encoded)."""
     dtype, shape, data = _encode(t)
-    chunk_bytes = _chunk_payload_bytes(name, dtype, shape, max_chunk_bytes)
+    chunk_bytes = _chunk_payload_bytes(name, dtype, tuple(shape), max_chunk_bytes)
     total_bytes = len(data)
     num_chunks = max(1, -(-total_bytes // chunk_bytes))
     view = memoryview(data)
-    frames: list[TensorFrame] = []
     for index in range(num_chunks):
         offset = index * chunk_bytes
-        frame = TensorFrame(
-            name=name,
-            chunk_index=index,
-            num_chunks=num_chunks,
-            byte_offset=offset,
-            total_bytes=total_bytes,
-            data=bytes(view[offset : offset + chunk_bytes]),
-        )
+        fields: dict[str, Any] = {
+            "name": name,
+            "chunk_index": index,
+            "num_chunks": num_chunks,
+            "byte_offset": offset,
+            "total_bytes": total_bytes,
+            "data": data if num_chunks == 1 else bytes(view[offset : offset + chunk_bytes]),
+        }
         if index == 0:
-            frame.dtype = dtype
-            frame.shape.extend(shape)
-        frames.append(frame)
-    return frames
+            fields |= {"dtype": dtype, "shape": shape}
+        yield fields
 
 
 def tensor_from_frames(
@@ -203,7 +222,8 @@ class FrameAssembler:
         self._name = frame.name
         self._num_chunks = frame.num_chunks
         self._total_bytes = frame.total_bytes
-        self._buffer = bytearray(frame.total_bytes)
+        # A tensor in one chunk takes a copy of that chunk in _append instead (no zero fill).
+        self._buffer = bytearray(frame.total_bytes if frame.num_chunks > 1 else 0)
 
     def _check_continuation(self, frame: TensorFrame) -> None:
         if frame.name != self._name:
@@ -237,7 +257,8 @@ class FrameAssembler:
             raise InvalidRequest(
                 self._field("byte_offset"), f"expected {self._received}, got {frame.byte_offset}"
             )
-        size = len(frame.data)
+        data = frame.data  # each read copies the bytes out of the message
+        size = len(data)
         end = self._received + size
         is_last = frame.chunk_index == self._num_chunks - 1
         if end > self._total_bytes:
@@ -252,7 +273,10 @@ class FrameAssembler:
             raise InvalidRequest(
                 self._field("num_chunks"), f"data complete at chunk {frame.chunk_index}"
             )
-        self._buffer[self._received : end] = frame.data
+        if self._num_chunks == 1:
+            self._buffer = bytearray(data)
+        else:
+            self._buffer[self._received : end] = data
         self._received = end
         self._next_index += 1
 
@@ -317,10 +341,12 @@ def _decode(
     return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
 
 
+@functools.lru_cache(maxsize=256)
 def _chunk_payload_bytes(
-    name: str, dtype: common_pb2.Dtype, shape: Sequence[int], max_chunk_bytes: int
+    name: str, dtype: common_pb2.Dtype, shape: tuple[int, ...], max_chunk_bytes: int
 ) -> int:
-    """Data bytes per chunk so that a frame's serialized size stays <= max_chunk_bytes."""
+    """Data bytes per chunk so that a frame's serialized size stays <= max_chunk_bytes
+    (cached: a step's outcomes repeat a few shapes, and sizing a header builds a message)."""
     widest_header = TensorFrame(
         name=name,
         chunk_index=_U32_MAX,

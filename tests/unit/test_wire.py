@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from tandem import wire
 from tandem.errors import InvalidRequest
-from tandem.v1 import common_pb2
+from tandem.v1 import common_pb2, draft_pb2
 from tandem.v1.common_pb2 import Tensor, TensorFrame
+from tandem.wire.frames import add_frames
 
 MiB = 1024 * 1024
 DTYPES = [
@@ -79,6 +80,19 @@ def test_frames_round_trip(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     frames = wire.tensor_to_frames("hidden_states", t, max_chunk_bytes=512)
     wired = [TensorFrame.FromString(f.SerializeToString()) for f in frames]
     _assert_same(wire.tensor_from_frames(wired, max_bytes=MiB), t)
+
+
+@pytest.mark.parametrize("max_chunk_bytes", [512, wire.MAX_FRAME_BYTES])
+def test_add_frames_builds_tensor_to_frames_frames_in_place(max_chunk_bytes: int) -> None:
+    """Frames appended to a message's repeated field are the ones tensor_to_frames builds,
+    chunked (512 bytes) or whole."""
+    t = _sample(torch.bfloat16, (300, 7))
+    expected = wire.tensor_to_frames("hidden_states", t, max_chunk_bytes=max_chunk_bytes)
+    msg = draft_pb2.VerifyOutcome()
+    add_frames(msg.hidden_states, "hidden_states", t, max_chunk_bytes=max_chunk_bytes)
+    assert list(msg.hidden_states) == expected
+    assert (len(expected) > 1) == (max_chunk_bytes == 512)
+    _assert_same(wire.tensor_from_frames(msg.hidden_states, max_bytes=MiB), t)
 
 
 def test_bfloat16_travels_as_little_endian_uint16_bits() -> None:
