@@ -89,6 +89,7 @@ class _Bucket:
     ns: int = 0  # the window's time, or (exploiting) the time since the decision
     debt_ns: float = 0.0  # what the last window of the slower mode lost against the better
     unsettled: int = 0  # steps of this window skipped while the draft caught up
+    ingesting: int = 0  # steps of this window that decoded plainly while the draft took in prompts
     catch_up: tuple[int, int] = (0, 0)  # their (tokens, ns)
     # Per mode, the (tokens, ns) its last window skipped: no part of its rate, but part of
     # what measuring it cost when it loses.
@@ -135,10 +136,15 @@ class SpecPolicy:
         speculation itself (the catch-up is a switch's cost, which ``margin`` covers).
         ``ingesting``: the step decoded with K=0 whatever the choice, while a draft service
         took in new prompts (``DraftExchange.ingesting``); a window measures neither mode by
-        it, however many there are (they are plain steps: counted in a speculation window,
-        they made it as fast as K=0, and noise chose speculation at bs 8 and 64)."""
+        it (a plain step counted as speculation made it as fast as K=0: noise then chose
+        speculation at bs 8 and 64). After ``max_unsettled_steps`` of them a speculation
+        window gives up: K=0 until the next re-check (new prompts go out to a draft service
+        a few per step, and the steps between, which wait on the draft, stalled 50 ms each)."""
         c, b = self.config, self._bucket(batch_size)
         if ingesting and b.measuring:
+            b.ingesting += 1
+            if b.mode is Mode.SPECULATE and b.ingesting > c.max_unsettled_steps:
+                self._give_up(b, batch_size)
             return
         if not settled and b.measuring and b.unsettled < c.max_unsettled_steps:
             b.unsettled += 1
@@ -194,6 +200,20 @@ class SpecPolicy:
         )
         self._switch(b, best, measuring=False)
 
+    def _give_up(self, b: _Bucket, batch_size: int) -> None:
+        """Speculation could not be measured (the draft is still taking in new prompts): K=0,
+        decided if it has a window (the next re-check comes as after any decision), else
+        measured."""
+        logger.info(
+            "batch %d: speculation not measured (%d steps while the draft took in new prompts): "
+            "K=0",
+            batch_size,
+            b.ingesting,
+        )
+        decided = Mode.PLAIN in b.windows
+        b.decisions += decided
+        self._switch(b, Mode.PLAIN, measuring=not decided)
+
     def _better(self, rates: dict[Mode, float]) -> Mode:
         """Speculation when it beats plain decoding by the margin."""
         spec, plain = rates[Mode.SPECULATE], rates[Mode.PLAIN]
@@ -216,7 +236,7 @@ class SpecPolicy:
         if mode is not b.mode:
             self.switches += 1
         b.mode, b.measuring = mode, measuring
-        b.steps = b.tokens = b.ns = b.unsettled = 0
+        b.steps = b.tokens = b.ns = b.unsettled = b.ingesting = 0
         b.catch_up = (0, 0)
         b.step_rates = []
 

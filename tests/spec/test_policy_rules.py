@@ -141,10 +141,10 @@ def test_a_window_skips_the_drafts_catch_up() -> None:
 
 def test_steps_decoding_plainly_while_the_draft_ingests_measure_neither_mode() -> None:
     """While a draft service takes in new prompts the engine decodes with K=0 whatever the
-    policy chose (1 token in 1 ms here); however many such steps a speculation window sees,
-    they are no part of it: speculation (1 token in 2 ms) loses to K=0 (0.9 tokens a ms).
+    policy chose (1 token in 1 ms here); such steps (up to max_unsettled_steps) are no part of
+    a speculation window: speculation (1 token in 2 ms) loses to K=0 (0.9 tokens a ms).
     Counted, thirty of them would have made speculation 1000 tokens/s, and chosen it."""
-    config = PolicyConfig(window_steps=4, settle_steps=0, max_unsettled_steps=5)
+    config = PolicyConfig(window_steps=4, settle_steps=0, max_unsettled_steps=30)
     policy = SpecPolicy(config)
     for _ in range(30):  # a new bucket measures speculation first
         assert policy.speculate(1)
@@ -159,6 +159,27 @@ def test_steps_decoding_plainly_while_the_draft_ingests_measure_neither_mode() -
     for _ in range(3):  # decided: a step ingesting counts as time in its mode, as any
         policy.record(1, 1, 1_000_000, ingesting=True)
     assert policy._bucket(1).steps == 3
+
+
+def test_a_speculation_window_that_only_sees_the_draft_ingest_gives_up() -> None:
+    """Past max_unsettled_steps steps of ingest a speculation window gives up for K=0: measured
+    when the bucket is new, decided (re-checked later, as after any decision) when K=0 has a
+    window; speculation's rate is never made of plain steps."""
+    config = PolicyConfig(window_steps=4, settle_steps=0, max_unsettled_steps=5)
+    policy = SpecPolicy(config)
+    for _ in range(6):  # a new bucket measures speculation first: it only ingests
+        assert policy.speculate(1)
+        policy.record(1, 1, 1_000_000, ingesting=True)
+    assert not policy.speculate(1) and policy._bucket(1).measuring  # K=0 measured
+    for _ in range(4):
+        policy.record(1, 1, 1_000_000)
+    assert policy.rates(1) == {"plain": 1000.0}
+    bucket = policy._bucket(1)
+    bucket.mode, bucket.measuring = Mode.SPECULATE, True  # a re-check
+    for _ in range(6):
+        policy.record(1, 1, 1_000_000, ingesting=True)
+    assert not policy.speculate(1) and not bucket.measuring  # K=0, decided
+    assert policy.rates(1) == {"plain": 1000.0} and bucket.decisions == 1
 
 
 def test_a_costly_catch_up_counts_in_what_measuring_speculation_cost() -> None:
