@@ -252,16 +252,18 @@ def outcome_to_proto(
     *,
     accepted_node_indices: Sequence[int] = (),
     max_frame_bytes: int = MAX_FRAME_BYTES,
+    into: draft_pb2.VerifyOutcome | None = None,
 ) -> draft_pb2.VerifyOutcome:
     """``committed_len``: committed tokens after this step, bonus included. The domain outcome
-    does not carry the accepted nodes' tree indices; pass them when known."""
-    msg = draft_pb2.VerifyOutcome(
-        request_id=outcome.request_id,
-        accepted_token_ids=outcome.accepted_token_ids,
-        bonus_token_id=outcome.bonus_token_id,
-        committed_len=committed_len,
-        accepted_node_indices=accepted_node_indices,
-    )
+    does not carry the accepted nodes' tree indices; pass them when known. ``into``: an empty
+    message to fill (``request.outcomes.add()``: appending a built one copies its features
+    once more)."""
+    msg = draft_pb2.VerifyOutcome() if into is None else into
+    msg.request_id = outcome.request_id
+    msg.accepted_token_ids.extend(outcome.accepted_token_ids)
+    msg.bonus_token_id = outcome.bonus_token_id
+    msg.committed_len = committed_len
+    msg.accepted_node_indices.extend(accepted_node_indices)
     if outcome.features is not None:
         add_frames(
             msg.hidden_states, HIDDEN_STATES, outcome.features, max_chunk_bytes=max_frame_bytes
