@@ -143,6 +143,7 @@ class SpecPolicy:
         c, b = self.config, self._bucket(batch_size)
         if ingesting and b.measuring:
             b.ingesting += 1
+            b.catch_up = (b.catch_up[0] + committed_tokens, b.catch_up[1] + step_ns)
             if b.mode is Mode.SPECULATE and b.ingesting > c.max_unsettled_steps:
                 self._give_up(b, batch_size)
             return
@@ -202,8 +203,9 @@ class SpecPolicy:
 
     def _give_up(self, b: _Bucket, batch_size: int) -> None:
         """Speculation could not be measured (the draft is still taking in new prompts): K=0,
-        decided if it has a window (the next re-check comes as after any decision), else
-        measured."""
+        decided if it has a window, else measured. What the window's steps took beyond K=0's
+        rate (steps that waited on the draft between those taking in prompts) is the debt the
+        next re-check waits on, as after a lost window."""
         logger.info(
             "batch %d: speculation not measured (%d steps while the draft took in new prompts): "
             "K=0",
@@ -211,6 +213,9 @@ class SpecPolicy:
             b.ingesting,
         )
         decided = Mode.PLAIN in b.windows
+        if decided:
+            tokens, ns = b.catch_up
+            b.debt_ns = max(0.0, ns - tokens / max(b.rates[Mode.PLAIN], 1e-9) * 1e9)
         b.decisions += decided
         self._switch(b, Mode.PLAIN, measuring=not decided)
 

@@ -176,10 +176,19 @@ def test_a_speculation_window_that_only_sees_the_draft_ingest_gives_up() -> None
     assert policy.rates(1) == {"plain": 1000.0}
     bucket = policy._bucket(1)
     bucket.mode, bucket.measuring = Mode.SPECULATE, True  # a re-check
+    policy.record(1, 0, 60_000_000, settled=False)  # a step that waited 60 ms on the draft
     for _ in range(6):
         policy.record(1, 1, 1_000_000, ingesting=True)
     assert not policy.speculate(1) and not bucket.measuring  # K=0, decided
     assert policy.rates(1) == {"plain": 1000.0} and bucket.decisions == 1
+    # The wait is the debt: 66 ms for 6 tokens at 1000 tokens/s. The next re-check waits for
+    # 60 ms / 0.03 = 2 s of K=0, not the 32 steps after a first decision.
+    assert bucket.debt_ns == pytest.approx(60_000_000)
+    waited = 0
+    while not policy.speculate(1):
+        policy.record(1, 1, 1_000_000)
+        waited += 1
+    assert waited == 2000
 
 
 def test_a_costly_catch_up_counts_in_what_measuring_speculation_cost() -> None:
