@@ -7,8 +7,6 @@ memory from the caching host allocator behind the stream's work (``Tensor.pin_me
 the driver whether its source is pinned first, about 0.15 ms a call on the H100 host):
 
 - ``to_device`` / ``device_ints``: host data onto the device; nothing waits.
-- ``rows_to_device``: host tensors of equal widths (the draft service's per-request outcome
-  features) onto the device in one copy (a pageable ``.to`` per request waits once each).
 - ``read_host``: device tensors onto the host after one wait, for the last copy only.
 - ``to_host``: a step's feature tensors (the draft service's messages: EAGLE-3 sends three
   target layers per token) concatenated and cast on the device and copied in one go; nothing
@@ -32,20 +30,6 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
     pinned.copy_(host)
     return pinned.to(device, non_blocking=True)
-
-
-def rows_to_device(
-    tensors: Sequence[torch.Tensor], device: torch.device | str
-) -> list[torch.Tensor]:
-    """``tensors`` (2-D CPU tensors, equal widths and dtypes) on ``device``: views of one
-    copy, concatenated straight into pinned memory; plain ``.to`` calls off CUDA."""
-    if torch.device(device).type != "cuda" or not tensors:
-        return [t.to(device) for t in tensors]
-    first = tensors[0]
-    rows = [t.shape[0] for t in tensors]
-    pinned = torch.empty(sum(rows), first.shape[1], dtype=first.dtype, pin_memory=True)
-    torch.cat(list(tensors), out=pinned)  # [sum(rows), F]
-    return list(pinned.to(device, non_blocking=True).split(rows))
 
 
 def device_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:

@@ -40,7 +40,7 @@ from tandem.models.draft import DraftModule
 from tandem.spec.base import Drafter
 from tandem.spec.tree import CandidatePool, scratch_mask, softmax_topk
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
-from tandem.transfer import rows_to_device, to_device
+from tandem.transfer import to_device
 
 if TYPE_CHECKING:
     from tandem.spec.draft_graphs import DraftGraphRunner
@@ -190,13 +190,12 @@ class ModelDrafter(Drafter):
         """Appends committed tokens (and their features) and runs every module over the pairs
         that became complete."""
         starts: dict[str, int] = {}
-        uploaded = self._upload_outcome_features(updates)
-        for i, (request_id, new_tokens, features) in enumerate(updates):
+        for request_id, new_tokens, features in updates:
             seq = self.seqs[request_id]
             starts[request_id] = len(seq.tokens)
             seq.tokens.extend(new_tokens)
             if features is not None:
-                self._add_features(seq, uploaded.get(i, features))
+                self._add_features(seq, features)
         rest = updates  # what no graph bucket takes runs here
         if self.graphs is not None:
             rest = self.graphs.extend(updates, starts)
@@ -247,22 +246,6 @@ class ModelDrafter(Drafter):
             return outs[start - 1 : start - 1 + n]
         assert before is not None, "chain head has no output to feed on"
         return torch.cat([before[None], outs[: n - 1]])
-
-    def _upload_outcome_features(
-        self, updates: list[tuple[str, list[int], torch.Tensor | None]]
-    ) -> dict[int, torch.Tensor]:
-        """The host features that extend a request's kept rows, on the device in one copy
-        (a pageable ``.to`` per request waits for the stream once each), by update index. A
-        request's first features are left to ``_add_features``: its kept rows would be views
-        of the shared copy and hold every request's rows alive."""
-        picked: dict[int, torch.Tensor] = {}
-        for i, (request_id, _, features) in enumerate(updates):
-            kept = self.seqs[request_id].features
-            if features is not None and features.device.type == "cpu" and kept is not None:
-                picked[i] = features
-        if len({(f.dtype, f.shape[1:]) for f in picked.values()}) != 1:
-            return {}  # nothing to move, or mixed shapes: one copy per request
-        return dict(zip(picked, rows_to_device(list(picked.values()), self.device), strict=True))
 
     def _add_features(self, seq: _Seq, features: torch.Tensor) -> None:
         features = features.to(self.device)

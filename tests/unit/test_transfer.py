@@ -45,22 +45,3 @@ def test_mixed_to_host_on_cuda() -> None:
     assert [t.device.type for t in out] == ["cpu"] * 3
     assert torch.equal(out[0], expected.float()) and torch.equal(out[1], new.float().cpu())
     assert torch.equal(out[2], expected[:1].float())
-
-
-def test_rows_to_device_keeps_each_tensor_on_cpu() -> None:
-    """Off CUDA each tensor is its own ``.to``: values, shapes and order kept."""
-    tensors = [torch.randn(n, 8, dtype=torch.bfloat16) for n in (3, 1, 0, 2)]
-    out = transfer.rows_to_device(tensors, "cpu")
-    assert len(out) == len(tensors)
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(out, tensors, strict=True))
-    assert transfer.rows_to_device([], "cpu") == []
-
-
-@pytest.mark.gpu
-def test_rows_to_device_on_cuda_is_one_copy() -> None:
-    """On CUDA the rows of every tensor arrive, in order, as views of one device copy."""
-    tensors = [torch.randn(n, 64, dtype=torch.bfloat16) for n in (3, 1, 0, 2)]
-    out = transfer.rows_to_device(tensors, "cuda")
-    assert all(t.device.type == "cuda" for t in out)
-    assert all(torch.equal(a.cpu(), b) for a, b in zip(out, tensors, strict=True))
-    assert len({t.untyped_storage().data_ptr() for t in out}) == 1
