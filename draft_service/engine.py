@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,7 @@ from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
+IDLE_TICK_S = 0.25  # profiling on: a worker with no step for this long looks at its window
 _WARMUP_ID = "warmup"
 _WARMUP_SPEC = SpecConfig(num_steps=2, topk=2)  # a small tree: exercises top-k and scratch KV
 
@@ -82,7 +84,10 @@ class DraftEngine:
         self._dropped: dict[int, list[str]] = {}  # stream -> dropped ids not yet reported
         self._closed = False
         self._last_kv = (0, 0)  # (pages used, total) after the last step, for gauges
-        self._profile = profiling.step_window("draft", config.device)  # None: off
+        # The target drives the draft's steps: the draft's window follows the target's.
+        self._profile = profiling.step_window("draft", config.device, follow=True)  # None: off
+        self._stepped = False  # a step ran since the last idle tick (worker thread only)
+        self._stop_ticks = threading.Event()
 
     def last_kv_usage(self) -> tuple[int, int]:
         """The pool after the last step; readable from any thread without waiting."""
@@ -124,9 +129,30 @@ class DraftEngine:
         return await self._run(self._kv_usage)
 
     def close(self) -> None:
-        """Waits for the running step, then stops the worker thread."""
+        """Waits for the running step, then stops the worker thread (profiling on: after what
+        is queued, and a window still open is written)."""
+        if self._closed:
+            return
         self._closed = True
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._stop_ticks.set()
+        if self._profile is None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            return
+        # The profiler runs on the worker thread, so the window is closed there; cancelling the
+        # queue would cancel that too.
+        self._executor.submit(self._profile.close)
+        self._executor.shutdown(wait=True)
+
+    def _tick(self) -> None:
+        """Profiling on, on its own thread from the end of loading: every IDLE_TICK_S the
+        worker looks at its window if no step ran meanwhile. A target decoding with K=0 sends
+        nothing, so a round may give the worker no step in which to notice an arm or to end
+        a window (``StepWindow.wait``)."""
+        while not self._stop_ticks.wait(IDLE_TICK_S):
+            try:
+                self._executor.submit(self._waited)
+            except RuntimeError:  # shut down meanwhile
+                return
 
     # -- on the worker thread --------------------------------------------------------------
 
@@ -166,6 +192,8 @@ class DraftEngine:
             info.feature_size,
         )
         self.info = info
+        if self._profile is not None:
+            threading.Thread(target=self._tick, name="draft-profile-tick", daemon=True).start()
         return info
 
     def _warm_up(self, info: DraftInfo) -> None:
@@ -195,6 +223,8 @@ class DraftEngine:
         tracked = self._tracked.setdefault(stream, set())
         tracked.difference_update(released)
         tracked.update(a.request_id for a in admits)
+        if self._profile is not None:
+            self._profile.begin()
         started, model_before = time.perf_counter_ns(), self._drafter.model_ns
         trees = self._drafter.step(
             [
@@ -215,6 +245,7 @@ class DraftEngine:
         self._last_kv = (kv.pages_used, kv.pages_total)
         if self._profile is not None:
             self._profile.step()
+            self._stepped = True
         return StepResult(
             trees={k[len(prefix) :]: t for k, t in trees.items() if k.startswith(prefix)},
             dropped=dropped,
@@ -222,6 +253,14 @@ class DraftEngine:
             draft_ns=draft_ns,
             model_ns=self._drafter.model_ns - model_before,
         )
+
+    def _waited(self) -> None:
+        """An idle tick: the window's ``wait`` when no step ran since the last tick."""
+        assert self._profile is not None
+        if self._stepped:
+            self._stepped = False
+        else:
+            self._profile.wait()
 
     def _cast(self, features: torch.Tensor | None) -> torch.Tensor | None:
         return None if features is None else features.to(self.dtype)

@@ -117,12 +117,17 @@ class TargetLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not self.engine.has_unfinished())
+            idle = not self.engine.has_unfinished()
+            if idle and self._profile is not None:
+                self._profile.idle()  # a round ended: a window its steps did not close is written
+            self._drain(block=idle)
             if self.engine.has_unfinished():
                 self._step()
             else:
                 self.engine.flush_draft()  # an abort while idle frees the draft's pages too
             self._maybe_status()
+        if self._profile is not None:
+            self._profile.close()  # on this thread, where its profiler runs
 
     def _drain(self, *, block: bool) -> None:
         """Applies what the servicer queued; ``block`` (idle): waits for a first command, then

@@ -5,7 +5,10 @@ Per device (a physical GPU, named by its UUID so that two processes' ordinals ne
 the intervals of all processes are merged (their union: a kernel of the target and one of the
 draft running at once count once), and over the common window, the overlap of all the
 processes' windows, this reports the busy time, the idle fraction, the idle gaps (the largest
-with their offset from the window's start) and each process's own busy fraction.
+with their offset from the window's start) and each process's own busy fraction. A window its
+steps did not close (``closed`` in the file: a loop that went idle, followed another's window
+or stopped; ``tandem.profiling``) is merged like any other: it holds every step the process ran
+in it; the report lists such windows with their step counts.
 
 ``python -m tandem.bench.idle DIR... [--json] [--top N]`` prints it for the ``*.json`` files
 in the directories (docs/performance.md, "GPU idle").
@@ -35,6 +38,8 @@ class Profile:
     window: Interval
     labels: dict[str, str]  # device key -> a readable name ("cuda:0 NVIDIA H100 ...")
     intervals: dict[str, list[Interval]]  # device key -> busy intervals
+    closed: str = "steps"  # how the window ended: steps, idle, follow or stop
+    num_steps: int | None = None  # loop steps inside the window (None: an older file)
 
 
 @dataclass(kw_only=True)
@@ -57,6 +62,8 @@ class IdleReport:
     window_ms: float
     processes: list[str]
     devices: list[DeviceIdle]
+    # Windows not closed by their steps: process -> "<closed>, <n> steps".
+    unclosed: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -152,6 +159,9 @@ def analyse(profiles: Sequence[Profile], top: int = 5) -> IdleReport:
         window_ms=length / 1e6,
         processes=[p.process for p in profiles],
         devices=devices,
+        unclosed={
+            p.process: f"{p.closed}, {p.num_steps} steps" for p in profiles if p.closed != "steps"
+        },
     )
 
 
@@ -177,6 +187,8 @@ def load(path: Path) -> Profile:
         window=(window["start_ns"], window["end_ns"]),
         labels=labels,
         intervals=intervals,
+        closed=window.get("closed", "steps"),
+        num_steps=window.get("num_steps"),
     )
 
 
@@ -187,6 +199,12 @@ def _label(device: dict[str, str]) -> str:
 
 def profile_files(dirs: Iterable[Path]) -> list[Path]:
     return sorted(f for d in dirs for f in d.glob("*.json"))
+
+
+def missing(out_dir: Path, services: Iterable[str]) -> list[str]:
+    """The services with no window in ``out_dir`` (files are ``<service>-<pid>.json``)."""
+    written = {f.name.rsplit("-", 1)[0] for f in profile_files([out_dir])}
+    return [s for s in services if s not in written]
 
 
 def from_dirs(dirs: Iterable[Path], top: int = 5) -> IdleReport:
@@ -201,6 +219,9 @@ def format_report(report: IdleReport) -> str:
         f"common window {report.window_ms:.2f} ms over {', '.join(report.processes)} "
         f"({report.timeline})"
     ]
+    if report.unclosed:
+        shown = ", ".join(f"{p} ({how})" for p, how in report.unclosed.items())
+        lines.append(f"windows not closed by their steps: {shown}")
     for d in report.devices:
         lines.append(
             f"{d.label}: idle {d.idle_fraction:.1%}, busy {d.busy_ms:.2f} ms, {d.num_gaps} gaps, "

@@ -120,7 +120,7 @@ class IdleProbe:
     start_step: int
     num_steps: int
     new_tokens: int  # of the profiled round
-    num_files: int = 2  # the target's and the draft's
+    services: tuple[str, ...] = ("target", "draft")  # whose windows each round waits for
     timeout_s: float = 60.0  # for the files after the round
 
     @property
@@ -144,10 +144,9 @@ class IdleProbe:
     def collect(self, out_dir: Path, row: Row) -> None:
         """Waits for every service's file in ``out_dir``; the idle fractions join ``row``."""
         deadline = time.monotonic() + self.timeout_s
-        while len(idle.profile_files([out_dir])) < self.num_files:
+        while absent := idle.missing(out_dir, self.services):
             if time.monotonic() > deadline:
-                found = len(idle.profile_files([out_dir]))
-                row.note = f"idle: {found}/{self.num_files} profiles after {self.timeout_s:.0f} s"
+                row.note = f"idle: no profile from {', '.join(absent)} after {self.timeout_s:.0f} s"
                 return
             time.sleep(0.1)
         try:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -199,6 +200,206 @@ def test_two_processes_through_the_arm_file(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["devices"][0]["idle_fraction"] == cpu.idle_fraction
+
+
+def _armed_window(
+    tmp_path: Path, start_step: int = 2, *, follow: bool = False
+) -> profiling.StepWindow:
+    config = profiling.ProfileConfig(
+        out_dir=tmp_path / "default", start_step=start_step, num_steps=50, arm_file=tmp_path / "arm"
+    )
+    return profiling.StepWindow("unit", "cpu", config, follow=follow)
+
+
+def _mm_steps(window: profiling.StepWindow, n: int) -> None:
+    x = torch.randn(32, 32)
+    for _ in range(n):
+        window.begin()
+        torch.mm(x, x)
+        window.step()
+
+
+def _mm_spans(record: dict[str, Any]) -> int:
+    if "aten::mm" not in record["names"]:
+        return 0
+    mm = record["names"].index("aten::mm")
+    return sum(1 for r in record["intervals"] if r[0] == mm)
+
+
+def test_a_window_its_round_does_not_close_is_written_when_the_loop_idles(tmp_path: Path) -> None:
+    window = _armed_window(tmp_path)
+    window.idle()  # not armed: nothing to write
+    profiling.arm(tmp_path / "arm", tmp_path / "r1")
+    window.wait()  # a counting window ignores waits (and begins): its steps place it
+    _mm_steps(window, 5)  # the arming step, then steps 1-4 of a window of 3-52
+    window.idle()
+    (path,) = window.windows_written
+    record = json.loads(path.read_text())
+    assert record["window"] | {"start_ns": 0, "end_ns": 0} == {
+        "start_ns": 0,
+        "end_ns": 0,
+        "first_step": 3,
+        "last_step": 4,
+        "num_steps": 2,
+        "closed": "idle",
+    }
+    assert _mm_spans(record) == 2  # steps 3 and 4
+    window.idle()
+    _mm_steps(window, 3)  # written: the loop waits for the next arm
+    assert len(window.windows_written) == 1
+    # A round shorter than the skipped steps: a window without steps, after the last one.
+    profiling.arm(tmp_path / "arm", tmp_path / "r2")
+    _mm_steps(window, 2)
+    last_step_end = time.time_ns()
+    window.idle()
+    record = json.loads(window.windows_written[1].read_text())
+    assert record["window"]["num_steps"] == 0 and record["window"]["closed"] == "idle"
+    assert record["window"]["start_ns"] <= last_step_end <= record["window"]["end_ns"]
+    assert record["intervals"] == []
+
+
+def test_without_an_arm_file_idle_leaves_the_window_alone(tmp_path: Path) -> None:
+    config = profiling.ProfileConfig(out_dir=tmp_path, start_step=1, num_steps=5)
+    window = profiling.StepWindow("unit", "cpu", config, follow=True)
+    assert not window.follow  # nothing to follow from: it counts
+    _mm_steps(window, 3)
+    window.idle()  # its one window may span several requests
+    window.wait()
+    assert window.windows_written == []
+    window.close()  # the service stops: written as it stands
+    (path,) = window.windows_written
+    assert json.loads(path.read_text())["window"]["closed"] == "stop"
+    assert json.loads(path.read_text())["window"]["num_steps"] == 2
+
+
+def test_a_follower_profiles_from_the_arm_until_another_window_is_written(
+    tmp_path: Path,
+) -> None:
+    window = _armed_window(tmp_path, start_step=50, follow=True)
+    window.wait()  # no arm: nothing
+    profiling.arm(tmp_path / "arm", tmp_path / "r1")
+    armed_ns = os.stat(tmp_path / "arm").st_mtime_ns
+    window.wait()  # opens at the arm, the profiler on; no other window yet
+    window.wait()
+    _mm_steps(window, 3)  # its steps are in the window, however few (not 50 + 50)
+    assert window.windows_written == []
+    (tmp_path / "r1" / "target-1.json").write_text("{}")  # another process's window
+    _mm_steps(window, 1)  # the step that finds it ends the window
+    (path,) = window.windows_written
+    record = json.loads(path.read_text())
+    assert record["window"]["closed"] == "follow" and record["window"]["num_steps"] == 4
+    assert record["window"]["first_step"] == 1 and record["window"]["start_ns"] == armed_ns
+    assert _mm_spans(record) == 4
+    window.wait()  # waits for the next arm
+    _mm_steps(window, 2)
+    assert len(window.windows_written) == 1
+    # Armed between steps: the next step's begin opens the window, so that step is in it.
+    profiling.arm(tmp_path / "arm", tmp_path / "r2")
+    last_step_end = time.time_ns()
+    _mm_steps(window, 1)
+    (tmp_path / "r2" / "target-1.json").write_text("{}")
+    window.wait()
+    record = json.loads(window.windows_written[1].read_text())
+    assert record["window"]["closed"] == "follow" and record["window"]["num_steps"] == 1
+    assert record["window"]["start_ns"] <= last_step_end and _mm_spans(record) == 1
+    window.close()  # nothing open
+    assert len(window.windows_written) == 2
+
+
+def test_close_writes_an_open_window(tmp_path: Path) -> None:
+    window = _armed_window(tmp_path)
+    profiling.arm(tmp_path / "arm", tmp_path / "r1")
+    _mm_steps(window, 4)
+    window.close()
+    (path,) = window.windows_written
+    record = json.loads(path.read_text())
+    assert record["window"]["closed"] == "stop" and record["window"]["num_steps"] == 1
+
+
+_FOLLOWER = """
+import sys, time, torch
+from tandem import profiling
+window = profiling.step_window("draft", "cpu", follow=True)
+step_every_s = float(sys.argv[1])  # 0: no step ever (a draft while its target runs K=0)
+x = torch.randn(96, 96)
+print("ready", flush=True)
+deadline = time.monotonic() + 20
+last = time.monotonic()
+while not window.windows_written and time.monotonic() < deadline:
+    time.sleep(0.01)
+    if step_every_s and time.monotonic() - last > step_every_s:
+        window.begin()
+        x = torch.tanh(x @ x)
+        window.step()
+        last = time.monotonic()
+    else:
+        window.wait()
+print(window.windows_written[0] if window.windows_written else "none", flush=True)
+"""
+
+
+@pytest.mark.parametrize("step_every_s", [0.0, 0.05])
+def test_a_follower_covers_the_counting_process_window(tmp_path: Path, step_every_s: float) -> None:
+    arm = tmp_path / "arm"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        profiling.ENV_DIR: str(tmp_path / "default"),
+        profiling.ENV_ARM_FILE: str(arm),
+        profiling.ENV_START_STEP: "3",
+        profiling.ENV_NUM_STEPS: "20",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, arg],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for code, arg in ((_LOOP, "target"), (_FOLLOWER, str(step_every_s)))
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        out_dir = tmp_path / "bs1"
+        profiling.arm(arm, out_dir)
+        written = [p.communicate(timeout=25)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [str(f) for f in idle.profile_files([out_dir])] == sorted(written)
+    assert idle.missing(out_dir, ["target", "draft", "gateway"]) == ["gateway"]
+    target, draft = (idle.load(Path(w)) for w in written)
+    assert (target.closed, draft.closed) == ("steps", "follow")
+    # Counted in its own steps (3 + 20 of one per 50 ms) it would have ended a second later.
+    assert draft.window[0] <= target.window[0] and target.window[1] <= draft.window[1]
+    report = idle.from_dirs([out_dir])
+    assert (report.window_start_ns, report.window_ms) == (
+        target.window[0],
+        (target.window[1] - target.window[0]) / 1e6,
+    )
+    (cpu,) = report.devices
+    assert cpu.busy_by_process[target.process] > 0.0
+    assert cpu.idle_fraction < 1.0
+    if step_every_s:
+        assert draft.num_steps and draft.num_steps > 0
+        assert cpu.busy_by_process[draft.process] > 0.0
+    else:
+        assert draft.num_steps == 0 and cpu.busy_by_process[draft.process] == 0.0
+        assert cpu.busy_by_process[target.process] == pytest.approx(1.0 - cpu.idle_fraction)
+    assert report.unclosed == {draft.process: f"follow, {draft.num_steps} steps"}
+    assert f"windows not closed by their steps: {draft.process} (follow, " in (
+        idle.format_report(report)
+    )
+
+
+def test_missing_names_the_services_without_a_window(tmp_path: Path) -> None:
+    assert idle.missing(tmp_path / "absent", ["target", "draft"]) == ["target", "draft"]
+    (tmp_path / "draft-12.json").write_text("{}")
+    (tmp_path / ".target-3.json.tmp").write_text("{}")  # half written: not there yet
+    assert idle.missing(tmp_path, ["target", "draft"]) == ["target"]
 
 
 @pytest.mark.parametrize("max_batch", [1, 64])
