@@ -145,9 +145,10 @@ print(window.windows_written[0] if window.windows_written else "none", flush=Tru
 """
 
 
-def test_two_processes_through_the_arm_file(tmp_path: Path) -> None:
-    arm = tmp_path / "arm"
-    profiling.arm(arm, tmp_path / "leftover")  # from an earlier run: ignored
+def _profiled(
+    tmp_path: Path, arm: Path, scripts: list[tuple[str, str]]
+) -> tuple[dict[str, str], list[subprocess.Popen[str]]]:
+    """``python -c code arg`` per script, profiling from ``arm`` (a window of steps 3-23)."""
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -159,14 +160,21 @@ def test_two_processes_through_the_arm_file(tmp_path: Path) -> None:
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _LOOP, name],
+            [sys.executable, "-c", code, arg],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
         )
-        for name in ("target", "draft")
+        for code, arg in scripts
     ]
+    return env, procs
+
+
+def test_two_processes_through_the_arm_file(tmp_path: Path) -> None:
+    arm = tmp_path / "arm"
+    profiling.arm(arm, tmp_path / "leftover")  # from an earlier run: ignored
+    env, procs = _profiled(tmp_path, arm, [(_LOOP, "target"), (_LOOP, "draft")])
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -341,25 +349,7 @@ print(window.windows_written[0] if window.windows_written else "none", flush=Tru
 @pytest.mark.parametrize("step_every_s", [0.0, 0.05])
 def test_a_follower_covers_the_counting_process_window(tmp_path: Path, step_every_s: float) -> None:
     arm = tmp_path / "arm"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": "1",
-        profiling.ENV_DIR: str(tmp_path / "default"),
-        profiling.ENV_ARM_FILE: str(arm),
-        profiling.ENV_START_STEP: "3",
-        profiling.ENV_NUM_STEPS: "20",
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, arg],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        for code, arg in ((_LOOP, "target"), (_FOLLOWER, str(step_every_s)))
-    ]
+    _, procs = _profiled(tmp_path, arm, [(_LOOP, "target"), (_FOLLOWER, str(step_every_s))])
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
