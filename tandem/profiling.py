@@ -64,10 +64,8 @@ while armed it lists the directory once a step.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -77,6 +75,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from tandem import profile_file
+
 logger = logging.getLogger(__name__)
 
 ENV_DIR = "TANDEM_PROFILE_DIR"
@@ -85,10 +85,6 @@ ENV_NUM_STEPS = "TANDEM_PROFILE_NUM_STEPS"
 ENV_ARM_FILE = "TANDEM_PROFILE_ARM_FILE"
 
 WARMUP_STEPS = 2  # the profiler runs this many steps before the window opens
-FORMAT_VERSION = 1
-GPU_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")  # kineto activity types that occupy a GPU
-CPU_KIND = "cpu_op"
-INTERVAL_FIELDS = ("name", "start_ns", "end_ns", "device_index", "stream", "kind")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,7 +316,19 @@ class StepWindow:
             self._open(self._quiet_since_ns)
         assert self._opened_at is not None
         steps = (self._opened_at + 1, self._ticks)
-        path = self._write(self._window_start_ns, end_ns, events, steps, closed)
+        path = profile_file.write(
+            self._path(),
+            profile_file.Window(
+                service=self.service,
+                device=self.device,
+                cuda=self.cuda,
+                start_ns=self._window_start_ns,
+                end_ns=end_ns,
+                steps=steps,
+                closed=closed,
+            ),
+            events,
+        )
         self.windows_written.append(path)
         logger.info(
             "%s: profiled %d steps from step %d into %s (closed: %s)",
@@ -335,89 +343,3 @@ class StepWindow:
             self._done = True
         else:
             self._armed = False
-
-    def _write(
-        self, start_ns: int, end_ns: int, events: list[Any], steps: tuple[int, int], closed: str
-    ) -> Path:
-        names: dict[str, int] = {}
-        rows: list[list[Any]] = []
-        devices: dict[str, dict[str, str]] = {}
-        kinds: dict[str, int] = {}  # every event seen, by "<device type>/<activity type>"
-        for e in events:
-            kind = _activity(e)
-            seen = f"{e.device_type().name}/{kind}"
-            kinds[seen] = kinds.get(seen, 0) + 1
-            if self.cuda:
-                if kind not in GPU_KINDS or e.device_type() != torch.autograd.DeviceType.CUDA:
-                    continue
-                index, stream = e.device_index(), getattr(e, "device_resource_id", lambda: 0)()
-            else:
-                if kind != CPU_KIND:
-                    continue
-                index, stream = 0, e.start_thread_id()
-            if e.end_ns() <= start_ns or e.start_ns() >= end_ns:
-                continue  # the warm-up steps, or work that started after the window
-            name_id = names.setdefault(e.name(), len(names))
-            rows.append([name_id, e.start_ns(), e.end_ns(), index, stream, kind])
-            if str(index) not in devices:
-                devices[str(index)] = self._device_info(index)
-        if not self.cuda:
-            devices.setdefault("0", self._device_info(0))
-        rows.sort(key=lambda r: r[1])
-        if not rows and steps[1] >= steps[0]:  # a window without steps has nothing to show
-            logger.warning(
-                "%s: no %s in the window; events seen: %s",
-                self.service,
-                "GPU activity" if self.cuda else "CPU ops",
-                kinds,
-            )
-        record = {
-            "version": FORMAT_VERSION,
-            "service": self.service,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "device": self.device,
-            "timeline": "gpu_kernels" if self.cuda else "cpu_ops",
-            "clock": "CLOCK_REALTIME ns (time.time_ns)",
-            "realtime_minus_monotonic_ns": time.time_ns() - time.monotonic_ns(),
-            "window": {
-                "start_ns": start_ns,
-                "end_ns": end_ns,
-                "first_step": steps[0],
-                "last_step": steps[1],
-                "num_steps": steps[1] - steps[0] + 1,
-                "closed": closed,  # steps, idle, follow or stop (see the module docstring)
-            },
-            "devices": devices,
-            "event_kinds": kinds,
-            "names": list(names),
-            "interval_fields": list(INTERVAL_FIELDS),
-            "intervals": rows,
-        }
-        self._out_dir.mkdir(parents=True, exist_ok=True)
-        path = self._path()
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(record, separators=(",", ":")))
-        os.replace(tmp, path)  # a reader polling for the file never sees half of it
-        return path
-
-    def _device_info(self, index: int) -> dict[str, str]:
-        """A key that names the physical device for every process on the host."""
-        if not self.cuda:
-            return {"key": f"cpu@{socket.gethostname()}", "name": "cpu", "label": "cpu"}
-        props = torch.cuda.get_device_properties(index)
-        uuid = getattr(props, "uuid", None)
-        key = f"GPU-{uuid}" if uuid is not None else f"cuda:{index}@{socket.gethostname()}"
-        return {"key": key, "name": props.name, "label": f"cuda:{index}"}
-
-
-def _activity(event: Any) -> str:
-    """An event's activity type ("kernel", "gpu_memcpy", ...). Older torch (2.11) has no
-    ``activity_type`` on its events: there, device events count as kernels (every CUDA
-    event kineto records in a CUDA-only window is device work) and host events as CPU ops."""
-    get = getattr(event, "activity_type", None)
-    if get is not None:
-        return str(get())
-    if event.device_type() == torch.autograd.DeviceType.CUDA:
-        return GPU_KINDS[0]
-    return CPU_KIND

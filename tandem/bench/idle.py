@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tandem.profiling import FORMAT_VERSION
+from tandem.profile_file import FORMAT_VERSION
 
 Interval = tuple[int, int]  # [start_ns, end_ns)
 LONG_GAP_NS = 100_000  # 0.1 ms: far above a kernel launch gap (a few us)
