@@ -17,6 +17,7 @@ import torch
 from tandem import serving
 from tandem.bench import hf, inprocess, services
 from tandem.bench.inprocess import Workload
+from tandem.bench.probe import plan_probe, probe_window
 from tandem.bench.report import Row
 from tandem.bench.sol import copy_bandwidth, kv_bytes_per_token, t_verify_min, weight_bytes
 from tandem.config import DTYPES, SPEC_POLICIES
@@ -138,7 +139,7 @@ def _simulated(value: float | None) -> str:
 def _profiled(config: BenchConfig) -> str:
     if not config.profile_idle:
         return "off"
-    start, num, new_tokens = services.probe_window(
+    start, num, new_tokens = probe_window(
         config.workload, max(config.batch_sizes), config.spec_steps
     )
     return (
@@ -216,7 +217,7 @@ def _services(config: BenchConfig, mc: ModelConfig, say: Callable[[str], None]) 
         say(f"starting draft, target and gateway services (logs: {log_dir})")
         probe = None
         if config.profile_idle:  # one directory per batch size and row under log_dir/profiles
-            probe = services.plan_probe(
+            probe = plan_probe(
                 log_dir / "profiles", config.workload, max(config.batch_sizes), config.spec_steps
             )
         stack = services.start_stack(

@@ -15,6 +15,7 @@ import pytest
 
 from tandem.bench import idle, services
 from tandem.bench.inprocess import Workload, pages_needed
+from tandem.bench.probe import plan_probe
 from tandem.models.config import ModelConfig
 from tandem.random_drafts import make_eagle3_checkpoint
 from tandem.random_model import make_checkpoint
@@ -34,7 +35,7 @@ def test_profiled_rounds_give_both_windows_and_an_idle_figure(tmp_path: Path, po
     vocab = ModelConfig.from_pretrained(target).vocab_size
     w = Workload(prompt_len=12, new_tokens=24, warmup_tokens=0, rounds=1)
     # 20 s: a missing window shows as a note, not a hang (the bench waits 60 s).
-    probe = replace(services.plan_probe(tmp_path / "profiles", w, BATCH, S), timeout_s=20.0)
+    probe = replace(plan_probe(tmp_path / "profiles", w, BATCH, S), timeout_s=20.0)
     stack = services.start_stack(
         target,
         draft,

@@ -19,8 +19,8 @@ from tandem import profiling
 from tandem.bench import idle
 from tandem.bench.idle import Profile
 from tandem.bench.inprocess import Workload
+from tandem.bench.probe import _MARGIN, probe_window
 from tandem.bench.report import Row, table
-from tandem.bench.services import _MARGIN, probe_window
 
 REPO = Path(__file__).resolve().parents[2]
 
