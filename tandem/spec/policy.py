@@ -33,6 +33,7 @@ import enum
 import logging
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -141,15 +142,16 @@ class SpecPolicy:
         window gives up: K=0 until the next re-check (new prompts go out to a draft service
         a few per step, and the steps between, which wait on the draft, stalled 50 ms each)."""
         c, b = self.config, self._bucket(batch_size)
+        skipped = (b.catch_up[0] + committed_tokens, b.catch_up[1] + step_ns)
         if ingesting and b.measuring:
             b.ingesting += 1
-            b.catch_up = (b.catch_up[0] + committed_tokens, b.catch_up[1] + step_ns)
+            b.catch_up = skipped
             if b.mode is Mode.SPECULATE and b.ingesting > c.max_unsettled_steps:
                 self._give_up(b, batch_size)
             return
         if not settled and b.measuring and b.unsettled < c.max_unsettled_steps:
             b.unsettled += 1
-            b.catch_up = (b.catch_up[0] + committed_tokens, b.catch_up[1] + step_ns)
+            b.catch_up = skipped
             return
         b.steps += 1
         if not b.measuring:
@@ -185,7 +187,7 @@ class SpecPolicy:
         tokens, ns = b.windows[loser]
         skipped_tokens, skipped_ns = b.switch_costs.get(loser, (0, 0))
         tokens, ns = tokens + skipped_tokens, ns + skipped_ns
-        b.debt_ns = max(0.0, ns - tokens / max(rates[best], 1e-9) * 1e9)
+        b.debt_ns = _loss_ns(tokens, ns, rates[best])
         b.contested = self._better(b.typical) is not best
         b.decisions += 1
         logger.info(
@@ -214,8 +216,7 @@ class SpecPolicy:
         )
         decided = Mode.PLAIN in b.windows
         if decided:
-            tokens, ns = b.catch_up
-            b.debt_ns = max(0.0, ns - tokens / max(b.rates[Mode.PLAIN], 1e-9) * 1e9)
+            b.debt_ns = _loss_ns(*b.catch_up, b.rates[Mode.PLAIN])
         b.decisions += decided
         self._switch(b, Mode.PLAIN, measuring=not decided)
 
@@ -252,16 +253,13 @@ class NeverSpeculate(SpecPolicy):
     def speculate(self, batch_size: int) -> bool:
         return False
 
-    def record(
-        self,
-        batch_size: int,
-        committed_tokens: int,
-        step_ns: int,
-        *,
-        settled: bool = True,
-        ingesting: bool = False,
-    ) -> None:
+    def record(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+def _loss_ns(tokens: int, ns: int, rate: float) -> float:
+    """What ``tokens`` in ``ns`` took beyond their time at ``rate`` tokens/s (0 if less)."""
+    return max(0.0, ns - tokens / max(rate, 1e-9) * 1e9)
 
 
 def _other(mode: Mode) -> Mode:
