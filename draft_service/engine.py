@@ -86,7 +86,6 @@ class DraftEngine:
         self._last_kv = (0, 0)  # (pages used, total) after the last step, for gauges
         # The target drives the draft's steps: the draft's window follows the target's.
         self._profile = profiling.step_window("draft", config.device, follow=True)  # None: off
-        self._stepped = False  # a step ran since the last idle tick (worker thread only)
         self._stop_ticks = threading.Event()
 
     def last_kv_usage(self) -> tuple[int, int]:
@@ -145,12 +144,13 @@ class DraftEngine:
 
     def _tick(self) -> None:
         """Profiling on, on its own thread from the end of loading: every IDLE_TICK_S the
-        worker looks at its window if no step ran meanwhile. A target decoding with K=0 sends
+        worker looks at its window (queued behind any step). A target decoding with K=0 sends
         nothing, so a round may give the worker no step in which to notice an arm or to end
         a window (``StepWindow.wait``)."""
+        assert self._profile is not None
         while not self._stop_ticks.wait(IDLE_TICK_S):
             try:
-                self._executor.submit(self._waited)
+                self._executor.submit(self._profile.wait)
             except RuntimeError:  # shut down meanwhile
                 return
 
@@ -245,7 +245,6 @@ class DraftEngine:
         self._last_kv = (kv.pages_used, kv.pages_total)
         if self._profile is not None:
             self._profile.step()
-            self._stepped = True
         return StepResult(
             trees={k[len(prefix) :]: t for k, t in trees.items() if k.startswith(prefix)},
             dropped=dropped,
@@ -253,14 +252,6 @@ class DraftEngine:
             draft_ns=draft_ns,
             model_ns=self._drafter.model_ns - model_before,
         )
-
-    def _waited(self) -> None:
-        """An idle tick: the window's ``wait`` when no step ran since the last tick."""
-        assert self._profile is not None
-        if self._stepped:
-            self._stepped = False
-        else:
-            self._profile.wait()
 
     def _cast(self, features: torch.Tensor | None) -> torch.Tensor | None:
         return None if features is None else features.to(self.dtype)

@@ -193,9 +193,11 @@ class StepWindow:
         self._guarded(self._step)
 
     def wait(self) -> None:
-        """A follower had no step since the last call (a while), but work may still come:
-        notices an arm and ends a window as a step would. Call it once the loop is loaded
-        (its loading is no step: an arm during it would see the window open too early)."""
+        """Called by a follower between steps, every so often (whether or not a step ran
+        since: it looks at what a step's start and end would): notices an arm and ends a
+        window as a step would, so a loop sent no work still does. Call it once the loop is
+        loaded (its loading is no step: an arm during it would see the window open too
+        early)."""
         if self.follow:
             self._guarded(self._wait)
 

@@ -116,6 +116,7 @@ def through_gateway(
 ) -> Row:
     """``batch_size`` Generate streams a round. With ``log_dir`` (the stack's), the target's
     steps during the measured rounds fill the cycle columns and ``steps-bsN-gateway.jsonl``."""
+    windows: list[tuple[int, int]] = []  # each measured round's monotonic start and end
 
     async def main() -> Row:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -150,15 +151,10 @@ def through_gateway(
         fill_latency(row, tpots, ttfts)
         return row
 
-    windows: list[tuple[int, int]] = []
     row = asyncio.run(main())
     if log_dir is not None:
         time.sleep(0.2)  # the target's writer thread is a step or so behind
-        steps = [
-            step
-            for start, end in windows
-            for step in synced_target.read_steps(step_log(log_dir), start, end)
-        ]
+        steps = synced_target.read_steps(step_log(log_dir), windows)
         _fill_steps(row, steps, positions)
         _write_steps(log_dir / f"steps-bs{batch_size}-gateway.jsonl", steps)
     return row

@@ -48,36 +48,38 @@ def _synced(forward: Any) -> Any:
 
 def _logged(send: Any, path: Path) -> Any:
     """``TargetLoop._send`` that also queues each step's stats for a writer thread (the step
-    thread pays one queue put; serialising and writing happen off it)."""
-    pending: queue.SimpleQueue[tuple[int, bytes]] = queue.SimpleQueue()
+    thread pays one queue put; serialising and writing happen off it: each step's stats are a
+    message of its own, which nothing changes once sent)."""
+    pending: queue.SimpleQueue[tuple[int, target_pb2.StepStats]] = queue.SimpleQueue()
 
     def write() -> None:
         with path.open("a", buffering=1) as f:  # a line at a time: a reader sees whole steps
             while True:
-                at, raw = pending.get()
-                stats = json_format.MessageToDict(target_pb2.StepStats.FromString(raw))
-                f.write(json.dumps({"monotonicNs": at, **stats}) + "\n")
+                at, stats = pending.get()
+                record = {"monotonicNs": at, **json_format.MessageToDict(stats)}
+                f.write(json.dumps(record) + "\n")
 
     threading.Thread(target=write, name="step-log", daemon=True).start()
 
     @functools.wraps(send)
     def run(self: TargetLoop, commits: Any, stats: Any = None, lane: int = 0) -> None:
         if stats is not None and stats.batch_size:
-            pending.put((time.monotonic_ns(), stats.SerializeToString()))
+            pending.put((time.monotonic_ns(), stats))
         send(self, commits, stats, lane)
 
     return run
 
 
-def read_steps(path: Path, start_ns: int, end_ns: int) -> list[target_pb2.StepStats]:
-    """The steps logged in ``path`` (``TANDEM_BENCH_STEP_LOG``) sent within
-    [start_ns, end_ns] of ``time.monotonic_ns()``."""
+def read_steps(path: Path, windows: list[tuple[int, int]]) -> list[target_pb2.StepStats]:
+    """The steps logged in ``path`` (``TANDEM_BENCH_STEP_LOG``) sent within one of
+    ``windows`` ([start_ns, end_ns] of ``time.monotonic_ns()``), in the order sent."""
     steps: list[target_pb2.StepStats] = []
     if not path.exists():
         return steps
     for line in path.read_text().splitlines():
         record = json.loads(line)
-        if start_ns <= int(record.pop("monotonicNs")) <= end_ns:
+        at = int(record.pop("monotonicNs"))
+        if any(start <= at <= end for start, end in windows):
             steps.append(json_format.ParseDict(record, target_pb2.StepStats()))
     return steps
 

@@ -4,11 +4,13 @@ through the arm file, merged."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,10 +147,12 @@ print(window.windows_written[0] if window.windows_written else "none", flush=Tru
 """
 
 
+@contextlib.contextmanager
 def _profiled(
     tmp_path: Path, arm: Path, scripts: list[tuple[str, str]]
-) -> tuple[dict[str, str], list[subprocess.Popen[str]]]:
-    """``python -c code arg`` per script, profiling from ``arm`` (a window of steps 3-23)."""
+) -> Iterator[tuple[dict[str, str], list[subprocess.Popen[str]]]]:
+    """``python -c code arg`` per script, profiling from ``arm`` (a window of steps 3-23);
+    yields once every one printed "ready", kills them all on the way out."""
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -168,25 +172,25 @@ def _profiled(
         )
         for code, arg in scripts
     ]
-    return env, procs
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        yield env, procs
+    finally:
+        for p in procs:
+            p.kill()
 
 
 def test_two_processes_through_the_arm_file(tmp_path: Path) -> None:
     arm = tmp_path / "arm"
     profiling.arm(arm, tmp_path / "leftover")  # from an earlier run: ignored
-    env, procs = _profiled(tmp_path, arm, [(_LOOP, "target"), (_LOOP, "draft")])
-    try:
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    with _profiled(tmp_path, arm, [(_LOOP, "target"), (_LOOP, "draft")]) as (env, procs):
         time.sleep(0.2)  # stepping, unarmed: nothing is written
         assert not (tmp_path / "default").exists()
         assert not list((tmp_path / "leftover").iterdir())
         out_dir = tmp_path / "bs1"
         profiling.arm(arm, out_dir)
         written = [p.communicate(timeout=25)[0].strip() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
     files = idle.profile_files([out_dir])
     assert [str(f) for f in files] == sorted(written)
     profiles = [idle.load(f) for f in files]
@@ -349,16 +353,11 @@ print(window.windows_written[0] if window.windows_written else "none", flush=Tru
 @pytest.mark.parametrize("step_every_s", [0.0, 0.05])
 def test_a_follower_covers_the_counting_process_window(tmp_path: Path, step_every_s: float) -> None:
     arm = tmp_path / "arm"
-    _, procs = _profiled(tmp_path, arm, [(_LOOP, "target"), (_FOLLOWER, str(step_every_s))])
-    try:
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    scripts = [(_LOOP, "target"), (_FOLLOWER, str(step_every_s))]
+    with _profiled(tmp_path, arm, scripts) as (_, procs):
         out_dir = tmp_path / "bs1"
         profiling.arm(arm, out_dir)
         written = [p.communicate(timeout=25)[0].strip() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
     assert [str(f) for f in idle.profile_files([out_dir])] == sorted(written)
     assert idle.missing(out_dir, ["target", "draft", "gateway"]) == ["gateway"]
     target, draft = (idle.load(Path(w)) for w in written)
