@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import logging
 import threading
@@ -74,7 +75,18 @@ class DraftState(enum.IntEnum):
     UNHEALTHY = common_pb2.DRAFT_STATE_UNHEALTHY  # late, or gone and reconnecting
 
 
-_Sent = tuple[int, "asyncio.Future[draft_pb2.SpeculateResponse | None] | None"]
+@dataclass(frozen=True)
+class _Answer:
+    """A step's answer as the reader parsed it on arrival."""
+
+    trees: dict[str, Tree]
+    model_ns: int
+
+
+# Resolved by the reader with the answer (None when the stream broke), on the client's loop:
+# the engine thread waits on it directly (one wake-up, none when the answer is already in).
+_Waiter = concurrent.futures.Future[_Answer | None]
+_Sent = tuple[int, _Waiter | None]
 
 
 @dataclass(frozen=True)
@@ -83,9 +95,8 @@ class _Submission:
 
     step_id: int
     deadline: float  # time.monotonic() after which the answer is late
-    # Resolved by the reader with the response (None when the stream broke); None when the
-    # answer will be discarded (sent behind a late one) or nothing was sent.
-    answer: asyncio.Future[draft_pb2.SpeculateResponse | None] | None
+    # None when the answer will be discarded (sent behind a late one) or nothing was sent.
+    answer: _Waiter | None
     # While the client's loop still builds and writes the message (``submit`` does not wait
     # for it): what ``_send`` returns, (step_id, answer), once it is out.
     sending: concurrent.futures.Future[_Sent] | None = None
@@ -143,7 +154,7 @@ class RemoteDrafter(Drafter):
         self._order_lock = asyncio.Lock()  # messages built in submission order
         self._write_lock = asyncio.Lock()  # one write at a time on the stream
         self._stream = StreamState(budget=0, frame_bytes=0, hidden_dtype=torch.float32)
-        self._waiters: dict[int, asyncio.Future[draft_pb2.SpeculateResponse | None] | None] = {}
+        self._waiters: dict[int, _Waiter | None] = {}
         self._discard: set[int] = set()  # unanswered steps whose answers nobody waits for
         self._lanes: dict[int, _Submission | None] = {}  # engine thread: lane -> uncollected
         self._next_step = 1
@@ -222,11 +233,23 @@ class RemoteDrafter(Drafter):
             self.fallback_steps += 1
             return {}
         wait_s = max(0.0, submission.deadline - time.monotonic())
-        future = self._submit(self._await(submission))
         try:
-            return future.result(timeout=wait_s + _SAFETY_S)
+            answer = submission.answer.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:
+            late = self._submit(self._late(submission.step_id))
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                late.result(timeout=_SAFETY_S)  # counted and marked before the engine goes on
+            answer = None
+        if answer is None:
+            self.fallback_steps += 1
             return {}
+        self.model_ns += answer.model_ns
+        return answer.trees
+
+    def wait_sent(self, lane: int) -> None:
+        submission = self._lanes.get(lane)
+        if submission is not None:
+            self._sent(lane, submission)
 
     def in_flight(self, lane: int) -> bool:
         submission = self._lanes.get(lane)
@@ -278,7 +301,7 @@ class RemoteDrafter(Drafter):
         outcomes: list[VerifyOutcome],
         released: list[str],
         copied: torch.cuda.Event | None = None,
-    ) -> tuple[int, asyncio.Future[draft_pb2.SpeculateResponse | None] | None]:
+    ) -> _Sent:
         """Sends one lane's step once its features are on the host (``copied``); its step_id
         and the future its answer resolves (None when nothing was sent or the answer will be
         discarded)."""
@@ -301,7 +324,7 @@ class RemoteDrafter(Drafter):
                 self._broken(f"{len(self._waiters)} steps unanswered")
                 return 0, None
             # Behind a late answer this one is late too (the draft answers in order).
-            waiter = None if self._discard else self._loop.create_future()
+            waiter: _Waiter | None = None if self._discard else concurrent.futures.Future()
             self._waiters[request.step_id] = waiter
             if waiter is None:
                 self._discard.add(request.step_id)
@@ -314,23 +337,12 @@ class RemoteDrafter(Drafter):
             return 0, None
         return request.step_id, waiter
 
-    async def _await(self, submission: _Submission) -> dict[str, Tree]:
-        """The submission's trees, or {} (late, or the stream broke meanwhile)."""
-        assert submission.answer is not None
-        timeout = max(0.0, submission.deadline - time.monotonic())
-        try:
-            response = await asyncio.wait_for(asyncio.shield(submission.answer), timeout)
-        except TimeoutError:
-            self.late_steps += 1
-            if submission.step_id in self._waiters:  # still on its way: discard it then
-                self._discard.add(submission.step_id)
-            self._set_state(DraftState.UNHEALTHY)
-            response = None
-        if response is None:
-            self.fallback_steps += 1
-            return {}
-        self.model_ns += response.model_ns
-        return self._trees(response)
+    async def _late(self, step_id: int) -> None:
+        """A collect timed out: its answer, if still to come, is discarded when it does."""
+        self.late_steps += 1
+        if step_id in self._waiters:
+            self._discard.add(step_id)
+        self._set_state(DraftState.UNHEALTHY)
 
     def _trees(self, response: draft_pb2.SpeculateResponse) -> dict[str, Tree]:
         trees: dict[str, Tree] = {}
@@ -375,7 +387,7 @@ class RemoteDrafter(Drafter):
         if late:
             self.late_responses += 1  # its step already gave up: discard the trees
         elif waiter is not None and not waiter.done():
-            waiter.set_result(response)
+            waiter.set_result(_Answer(self._trees(response), response.model_ns))
 
     def _broken(self, reason: str) -> None:
         """Forgets the stream: every tracked request is dropped; reconnects in the background."""

@@ -324,7 +324,15 @@ class Engine:
         if exchange is not None:
             released = self._take_released()
             exchange.submit(
-                lane, batch, inputs, outputs, verified, released, draft=speculate, send=can_send
+                lane,
+                batch,
+                inputs,
+                outputs,
+                verified,
+                released,
+                draft=speculate,
+                send=can_send,
+                alone=lanes == {lane},
             )
         self.last_timing = StepTiming(
             total_ns=time.perf_counter_ns() - started,
@@ -375,7 +383,9 @@ class Engine:
             total_ns=time.perf_counter_ns() - started,
             forward_ns=forward_ns + self._ahead_wait_ns,
         )
-        if self.policy is not None and results:
+        # A launch that reads nothing (the first after a speculative step) is time in this
+        # mode too: a switch to K=0 (a draft service taking in prompts, say) pays it.
+        if self.policy is not None and (results or flight is None):
             committed = sum(len(out.new_token_ids) for out in results)
             total_ns = self.last_timing.total_ns
             self.policy.record(policy_batch, committed, total_ns, ingesting=ingesting)

@@ -57,6 +57,12 @@ class Drafter(ABC):
         """True while the lane's last submission is still being drafted (or travelling)."""
         return False
 
+    def wait_sent(self, lane: int) -> None:
+        """Returns once the lane's last submission has left this process (in process: at
+        once). A remote drafter sends from its own thread, which otherwise waits for the
+        GIL while the engine thread finishes the step."""
+        return None
+
     def _answers(self) -> dict[int, dict[str, Tree]]:
         # Created on first use, so subclasses need not call an __init__ of this ABC.
         answers: dict[int, dict[str, Tree]] = vars(self).setdefault("_lane_answers", {})

@@ -154,12 +154,17 @@ class DraftExchange:
         *,
         draft: bool = True,
         send: bool = True,
+        alone: bool = False,
     ) -> None:
         """Submits the step's outcome to the draft; the trees come at the lane's next step.
         ``released``: requests finished, aborted or preempted since the draft last heard.
         ``draft=False`` (a K=0 step): outcomes are held back (see the module docstring).
         ``send=False``: the lane still awaits an answer, so nothing goes out this step: held
-        runs keep holding and released ids wait for the next submission."""
+        runs keep holding and released ids wait for the next submission. ``alone``: no other
+        lane steps before this lane's answer, so the engine has nothing to launch meanwhile:
+        a draft service's message leaves before the rest of the step's host work (the
+        client's thread would wait for the GIL behind it: 0.36 ms a cycle at bs 1), unless
+        it takes in new prompts (the next steps decode meanwhile, without waiting)."""
         self._apply_dropped()
         behind = bool(self.held or self._deferred_admits)  # before this step's outcomes
         admits: list[DraftAdmit] = []
@@ -251,6 +256,10 @@ class DraftExchange:
         # the answer catches up on, so not waiting could go on for ever).
         if self.drafter.remote and sum(nbytes(a.features) for a in admits) >= INGEST_BYTES:
             self._ingesting_lanes.add(lane)
+        elif alone and draft:
+            started = time.perf_counter_ns()
+            self.drafter.wait_sent(lane)
+            self.wait_ns += time.perf_counter_ns() - started
 
     def _overflow(self, tracked: list[tuple[Request, Verified, list[int]]]) -> list[Request]:
         """During K=0: the requests whose held runs go out now, longest first, while all held

@@ -16,9 +16,11 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
@@ -95,7 +97,7 @@ def tensor_to_frames(
     Chunk 0 carries dtype and shape; every chunk carries name, counts and offsets. An empty
     tensor is one frame with no data.
     """
-    return [TensorFrame(**fields) for fields in _frame_fields(name, t, max_chunk_bytes)]
+    return [TensorFrame(**frame.fields) for frame in encode_frames(name, t, max_chunk_bytes)]
 
 
 def add_frames(
@@ -108,30 +110,49 @@ def add_frames(
     """Appends `tensor_to_frames`'s frames to a repeated TensorFrame field, built in place:
     appending a built frame copies its bytes once more (a step's outcome features cross the
     host several times already)."""
-    for fields in _frame_fields(name, t, max_chunk_bytes):
-        frames.add(**fields)
+    for frame in encode_frames(name, t, max_chunk_bytes):
+        frame.add_to(frames)
 
 
-def _frame_fields(name: str, t: torch.Tensor, max_chunk_bytes: int) -> Iterator[dict[str, Any]]:
-    """Each frame's fields, in order (a tensor in one chunk takes its bytes as encoded)."""
-    dtype, shape, data = _encode(t)
+@dataclass(frozen=True)
+class EncodedFrame:
+    """One `TensorFrame`'s fields with its data bytes encoded, not yet in a message: a frame
+    waiting to be sent costs no message of its own, ``add_to`` copies its bytes once (into the
+    message that sends it) and ``size`` is its serialized size there, computed without
+    serialising (upb's ``ByteSize`` encodes the whole message: a frame's 4 MiB again)."""
+
+    fields: dict[str, Any]
+    size: int
+
+    def add_to(self, frames: RepeatedCompositeFieldContainer[TensorFrame]) -> None:
+        frames.add(**self.fields)
+
+
+def encode_frames(
+    name: str, t: torch.Tensor, max_chunk_bytes: int = MAX_FRAME_BYTES
+) -> list[EncodedFrame]:
+    """`tensor_to_frames`'s frames as `EncodedFrame` s: each chunk's bytes are copied once out
+    of the tensor (a tensor in one chunk takes its bytes as encoded)."""
+    dtype, shape, flat = _element_bytes(t)
     chunk_bytes = _chunk_payload_bytes(name, dtype, tuple(shape), max_chunk_bytes)
-    total_bytes = len(data)
+    total_bytes = flat.size
     num_chunks = max(1, -(-total_bytes // chunk_bytes))
-    view = memoryview(data)
+    frames = []
     for index in range(num_chunks):
         offset = index * chunk_bytes
-        fields: dict[str, Any] = {
+        header: dict[str, Any] = {
             "name": name,
             "chunk_index": index,
             "num_chunks": num_chunks,
             "byte_offset": offset,
             "total_bytes": total_bytes,
-            "data": data if num_chunks == 1 else bytes(view[offset : offset + chunk_bytes]),
         }
         if index == 0:
-            fields |= {"dtype": dtype, "shape": shape}
-        yield fields
+            header |= {"dtype": dtype, "shape": shape}
+        data = flat[offset : offset + chunk_bytes].tobytes()
+        size = TensorFrame(**header).ByteSize() + _bytes_field_size(len(data))
+        frames.append(EncodedFrame(fields={**header, "data": data}, size=size))
+    return frames
 
 
 def tensor_from_frames(
@@ -290,11 +311,28 @@ def _field(path: str, name: str) -> str:
 
 def _encode(t: torch.Tensor) -> tuple[common_pb2.Dtype, list[int], bytes]:
     """(dtype enum, shape, row-major little-endian bytes) of a tensor."""
+    dtype, shape, flat = _element_bytes(t)
+    return dtype, shape, flat.tobytes()
+
+
+def _element_bytes(t: torch.Tensor) -> tuple[common_pb2.Dtype, list[int], np.ndarray]:
+    """(dtype enum, shape, the row-major little-endian bytes as a uint8 array that may share
+    the tensor's memory) of a tensor."""
     if t.layout != torch.strided:
         raise ValueError(f"only strided tensors have a wire representation, got {t.layout}")
     dtype = proto_dtype(t.dtype)
     flat = t.detach().to("cpu").contiguous().reshape(-1)  # [numel]
-    return dtype, list(t.shape), flat.view(torch.uint8).numpy().tobytes()
+    return dtype, list(t.shape), flat.view(torch.uint8).numpy()
+
+
+def _bytes_field_size(n: int) -> int:
+    """Serialized size of TensorFrame.data holding ``n`` bytes: tag, length varint, data (the
+    field is in a oneof, so an empty one is written too)."""
+    return 1 + _varint_size(n) + n
+
+
+def _varint_size(n: int) -> int:
+    return max(1, -(-n.bit_length() // 7))
 
 
 def _check_header(

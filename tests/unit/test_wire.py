@@ -95,6 +95,24 @@ def test_add_frames_builds_tensor_to_frames_frames_in_place(max_chunk_bytes: int
     _assert_same(wire.tensor_from_frames(msg.hidden_states, max_bytes=MiB), t)
 
 
+@pytest.mark.parametrize("max_chunk_bytes", [256, 4096, wire.MAX_FRAME_BYTES])
+@pytest.mark.parametrize("shape", [(0, 5), (3, 7), (300, 7)])
+def test_encoded_frames_know_their_serialized_size(
+    max_chunk_bytes: int, shape: tuple[int, ...]
+) -> None:
+    """An EncodedFrame's ``size`` is what the frame serializes to (a message is sized without
+    serialising its frames), and it builds the frame tensor_to_frames builds."""
+    t = _sample(torch.bfloat16, shape)
+    encoded = wire.encode_frames("hidden_states", t, max_chunk_bytes)
+    expected = wire.tensor_to_frames("hidden_states", t, max_chunk_bytes=max_chunk_bytes)
+    msg = draft_pb2.PromptFrames(request_id="r")
+    for frame in encoded:
+        frame.add_to(msg.frames)
+    assert list(msg.frames) == expected
+    assert [f.size for f in encoded] == [f.ByteSize() for f in expected]
+    assert all(f.size <= max_chunk_bytes for f in encoded)
+
+
 def test_bfloat16_travels_as_little_endian_uint16_bits() -> None:
     t = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)  # bits 0x3F80, 0xC000
     msg = wire.tensor_to_proto(t)
