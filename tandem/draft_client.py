@@ -51,7 +51,7 @@ import torch
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
 from tandem import transfer, wire
-from tandem.draft_stream import StreamState
+from tandem.draft_stream import Outgoing, StreamState
 from tandem.errors import InvalidRequest
 from tandem.security import ClientTLS, open_channel
 from tandem.serving import DEFAULT_MAX_MESSAGE_BYTES, channel_options
@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 T = TypeVar("T")
+_SPECULATE = "/tandem.v1.DraftService/Speculate"  # the stub's method, with _serialize
 _SAFETY_S = 1.0  # beyond the deadline, the engine thread stops waiting even for a blocked send
 _COPY_POLL_S = 50e-6  # between looks at a step's device-to-host feature copy
 
@@ -319,7 +320,7 @@ class RemoteDrafter(Drafter):
                 step_id=self._next_step, lane_id=lane, deadline_ns=int(self.deadline_s * 1e9)
             )
             self._next_step += 1
-            self._stream.build(request, admits, outcomes, released)
+            message = self._stream.build(request, admits, outcomes, released)
             if len(self._waiters) >= self.max_backlog:
                 self._broken(f"{len(self._waiters)} steps unanswered")
                 return 0, None
@@ -330,7 +331,7 @@ class RemoteDrafter(Drafter):
                 self._discard.add(request.step_id)
         try:
             async with self._write_lock:
-                await call.write(request)
+                await call.write(message)
         except Exception as exc:
             if call is self._call:
                 self._broken(f"send failed: {_describe(exc)}")
@@ -433,7 +434,11 @@ class RemoteDrafter(Drafter):
                 draft_pb2.DraftServiceGetInfoRequest(), timeout=self.connect_timeout_s
             )
             layer_ids = self._check_info(info)
-            call = stub.Speculate()
+            call = channel.stream_stream(
+                _SPECULATE,
+                request_serializer=_serialize,
+                response_deserializer=draft_pb2.SpeculateResponse.FromString,
+            )()
             hello = draft_pb2.SpeculateHello(
                 protocol_version=PROTOCOL_VERSION,
                 tensor_transports=[draft_pb2.TENSOR_TRANSPORT_INLINE],
@@ -516,6 +521,11 @@ class RemoteDrafter(Drafter):
         if request_ids:
             with self._dropped_lock:
                 self._dropped.extend(request_ids)
+
+
+def _serialize(message: draft_pb2.SpeculateRequest | Outgoing) -> bytes:
+    """The stream's serializer: a hello as it is, a step joined with its prompt frames."""
+    return message.SerializeToString()
 
 
 def _describe(exc: BaseException | None) -> str:

@@ -12,7 +12,7 @@ Features travel in the dtype the draft asked for. A new stream starts with a new
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -43,8 +43,10 @@ class StreamState:
         admits: list[DraftAdmit],
         outcomes: list[VerifyOutcome],
         released: list[str],
-    ) -> draft_pb2.SpeculateRequest:
-        """Fills ``request`` (step id, lane and deadline set) with one lane's step."""
+    ) -> Outgoing:
+        """One lane's step: ``request`` (step id, lane and deadline set) filled in, and the
+        prompt frames that go with it."""
+        message = Outgoing(request)
         for request_id in released:
             unsent = isinstance(self.outbox.pop(request_id, None), DraftAdmit)
             if self.tracked.pop(request_id, None) is not None and not unsent:
@@ -69,16 +71,14 @@ class StreamState:
                 into=request.outcomes.add(),
             )
         if self.outbox:  # (sizing the message takes ~0.1 ms at 8 requests)
-            self._add_prompts(request)
-        return request
+            self._add_prompts(message)
+        return message
 
-    def _add_prompts(self, request: draft_pb2.SpeculateRequest) -> None:
+    def _add_prompts(self, message: Outgoing) -> None:
         """Moves prompts from the outbox into the message while it has room, in order: an
         admit leaves with its first frame; at least one item goes per message. Frames wait
-        as encoded bytes and are built into the message in place: a step that sends 16 MiB
-        of prompts copies them once here (building frames, appending them and sizing the
-        message with ``ByteSize`` copied them five times more, each holding the GIL that the
-        target's engine thread needs: 60 ms stalls at bs 32 on the H100 host)."""
+        encoded and go out as they are (``Outgoing``)."""
+        request = message.request
         size, empty = request.ByteSize(), True
         while self.outbox:
             request_id, entry = next(iter(self.outbox.items()))
@@ -97,13 +97,12 @@ class StreamState:
                 request.new_requests.append(msg)
                 size, empty, must = size + msg.ByteSize() + 16, False, True
                 entry = self.outbox[request_id] = frames
-            part = None
+            part: list[wire.EncodedFrame] = []
             while entry and (must or empty or size + entry[0].size + 16 <= self.budget):
-                if part is None:
-                    part = request.prompt_frames.add(request_id=request_id)
-                frame = entry.popleft()
-                frame.add_to(part.frames)
-                size, empty, must = size + frame.size + 16, False, False
+                part.append(entry.popleft())
+                size, empty, must = size + part[-1].size + 16, False, False
+            if part:
+                message.prompts.append((request_id, part))
             if entry:
                 return  # the rest follows in the next message
             del self.outbox[request_id]
@@ -111,3 +110,35 @@ class StreamState:
     def _cast(self, features: torch.Tensor | None) -> torch.Tensor | None:
         """Features in the dtype the draft asked for (bf16 halves the bytes on the wire)."""
         return None if features is None else features.to(self.hidden_dtype)
+
+
+_PROMPT_FRAMES = wire.length_tag(draft_pb2.SpeculateRequest, "prompt_frames")
+_REQUEST_ID = wire.length_tag(draft_pb2.PromptFrames, "request_id")
+_FRAMES = wire.length_tag(draft_pb2.PromptFrames, "frames")
+
+
+@dataclass
+class Outgoing:
+    """A SpeculateRequest as it goes on the stream: ``request`` and, beside it, the prompt
+    frames of its ``prompt_frames`` field, encoded (``wire.EncodedFrame``).
+    ``SerializeToString`` joins the request's bytes and the frames' (a repeated field may
+    follow the rest of a message on the wire): each prompt byte is copied once, where upb
+    copied it into the message and twice more in its encoder, holding the GIL the target's
+    engine thread needs (16-35 ms for a 16 MiB message on the H100 host)."""
+
+    request: draft_pb2.SpeculateRequest
+    prompts: list[tuple[str, list[wire.EncodedFrame]]] = field(default_factory=list)
+
+    def SerializeToString(self) -> bytes:  # named as on a proto: the serializer calls it
+        pieces: list[bytes | memoryview] = [self.request.SerializeToString()]
+        for request_id, frames in self.prompts:
+            rid = request_id.encode()
+            part: list[bytes | memoryview] = [_REQUEST_ID, wire.varint(len(rid)), rid]
+            for frame in frames:
+                part += [_FRAMES, wire.varint(frame.size), *frame.pieces()]
+            pieces += [_PROMPT_FRAMES, wire.varint(sum(map(len, part))), *part]
+        return b"".join(pieces)
+
+    def message(self) -> draft_pb2.SpeculateRequest:
+        """The whole SpeculateRequest, as the draft parses it (tests, logs)."""
+        return draft_pb2.SpeculateRequest.FromString(self.SerializeToString())

@@ -2,11 +2,13 @@
 followed by a device synchronisation so that StepStats.verify_ns is the forward's GPU time
 (``tandem.bench.inprocess.synced_forward``; a no-op on CPU), except in steps decoding ahead
 (``tandem.ahead``), which nothing may wait for. Garbage collections of 2 ms or more are logged,
-so that a slow step in StepStats can be told from a collection. With ``TANDEM_BENCH_STEP_LOG``
-set, every step that verified something is appended there as one JSON line (its StepStats and
-``monotonic_ns``, the ``time.monotonic_ns()`` it was sent at, one clock for every process on
-the host) by a writer thread, so that the benchmark can read the steps of the rounds it sent
-through the gateway (:func:`read_steps`). Flags as ``python -m target_service``."""
+so that a slow step in StepStats can be told from a collection, and so are stretches of 15 ms or
+more in which a watchdog thread did not get the GIL, with where the other threads stood. With
+``TANDEM_BENCH_STEP_LOG`` set, every step that verified something is appended there as one JSON
+line (its StepStats and ``monotonic_ns``, the ``time.monotonic_ns()`` it was sent at, one clock
+for every process on the host) by a writer thread, so that the benchmark can read the steps of
+the rounds it sent through the gateway (:func:`read_steps`). Flags as ``python -m
+target_service``."""
 
 from __future__ import annotations
 
@@ -86,6 +88,7 @@ def read_steps(path: Path, windows: list[tuple[int, int]]) -> list[target_pb2.St
 
 if __name__ == "__main__":
     serving.log_gc_pauses(logger)
+    serving.log_stalls(logger)
     ModelRunner.forward = _synced(ModelRunner.forward)  # type: ignore[method-assign]
     step_log = os.environ.get(ENV_STEP_LOG)
     if step_log:

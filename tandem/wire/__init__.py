@@ -26,12 +26,14 @@ from tandem.wire.frames import (
     EncodedFrame,
     FrameAssembler,
     encode_frames,
+    length_tag,
     proto_dtype,
     tensor_from_frames,
     tensor_from_proto,
     tensor_to_frames,
     tensor_to_proto,
     torch_dtype,
+    varint,
 )
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "encode_frames",
     "finish_reason_from_proto",
     "finish_reason_to_proto",
+    "length_tag",
     "outcome_from_proto",
     "outcome_to_proto",
     "proto_dtype",
@@ -63,4 +66,5 @@ __all__ = [
     "tree_from_proto",
     "tree_to_proto",
     "usage_to_proto",
+    "varint",
 ]

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+from google.protobuf.message import Message
 
 from tandem.errors import InvalidRequest
 from tandem.v1 import common_pb2
@@ -97,7 +98,10 @@ def tensor_to_frames(
     Chunk 0 carries dtype and shape; every chunk carries name, counts and offsets. An empty
     tensor is one frame with no data.
     """
-    return [TensorFrame(**frame.fields) for frame in encode_frames(name, t, max_chunk_bytes)]
+    return [
+        TensorFrame(**frame.header, data=frame.data.tobytes())
+        for frame in encode_frames(name, t, max_chunk_bytes)
+    ]
 
 
 def add_frames(
@@ -116,23 +120,35 @@ def add_frames(
 
 @dataclass(frozen=True)
 class EncodedFrame:
-    """One `TensorFrame`'s fields with its data bytes encoded, not yet in a message: a frame
-    waiting to be sent costs no message of its own, ``add_to`` copies its bytes once (into the
-    message that sends it) and ``size`` is its serialized size there, computed without
+    """One `TensorFrame` encoded, not in a message: ``head`` is its serialized fields before
+    the data (the header, the data field's tag and length) and ``data`` the chunk's bytes, so
+    a frame waiting to be sent costs no message of its own. ``add_to`` builds it into a
+    repeated field (one copy of the data); ``pieces`` are its serialized bytes, for a message
+    joined from bytes (``tandem.draft_stream.Outgoing``: upb would copy the data into the
+    message and again in its encoder). ``size`` is the serialized size, known without
     serialising (upb's ``ByteSize`` encodes the whole message: a frame's 4 MiB again)."""
 
-    fields: dict[str, Any]
-    size: int
+    header: dict[str, Any]
+    head: bytes
+    data: memoryview  # the chunk's bytes in the tensor's memory: it must not change until sent
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + len(self.data)
 
     def add_to(self, frames: RepeatedCompositeFieldContainer[TensorFrame]) -> None:
-        frames.add(**self.fields)
+        frames.add(**self.header, data=self.data.tobytes())
+
+    def pieces(self) -> tuple[bytes, memoryview]:
+        return self.head, self.data
 
 
 def encode_frames(
     name: str, t: torch.Tensor, max_chunk_bytes: int = MAX_FRAME_BYTES
 ) -> list[EncodedFrame]:
-    """`tensor_to_frames`'s frames as `EncodedFrame` s: each chunk's bytes are copied once out
-    of the tensor (a tensor in one chunk takes its bytes as encoded)."""
+    """`tensor_to_frames`'s frames as `EncodedFrame` s, their data views of the tensor's bytes
+    (a copy first where it is not a contiguous CPU tensor): nothing is copied until a message
+    is built or joined."""
     dtype, shape, flat = _element_bytes(t)
     chunk_bytes = _chunk_payload_bytes(name, dtype, tuple(shape), max_chunk_bytes)
     total_bytes = flat.size
@@ -149,10 +165,28 @@ def encode_frames(
         }
         if index == 0:
             header |= {"dtype": dtype, "shape": shape}
-        data = flat[offset : offset + chunk_bytes].tobytes()
-        size = TensorFrame(**header).ByteSize() + _bytes_field_size(len(data))
-        frames.append(EncodedFrame(fields={**header, "data": data}, size=size))
+        data = flat[offset : offset + chunk_bytes].data  # a memoryview of the array
+        head = TensorFrame(**header).SerializeToString() + _DATA_TAG + varint(len(data))
+        frames.append(EncodedFrame(header=header, head=head, data=data))
     return frames
+
+
+def varint(n: int) -> bytes:
+    """``n`` (>= 0) as a protobuf base-128 varint."""
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def length_tag(message: type[Message], field: str) -> bytes:
+    """The tag of a length-delimited field (a string, bytes or message) of ``message``."""
+    return varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
+
+
+_DATA_TAG = length_tag(TensorFrame, "data")
 
 
 def tensor_from_frames(
@@ -323,16 +357,6 @@ def _element_bytes(t: torch.Tensor) -> tuple[common_pb2.Dtype, list[int], np.nda
     dtype = proto_dtype(t.dtype)
     flat = t.detach().to("cpu").contiguous().reshape(-1)  # [numel]
     return dtype, list(t.shape), flat.view(torch.uint8).numpy()
-
-
-def _bytes_field_size(n: int) -> int:
-    """Serialized size of TensorFrame.data holding ``n`` bytes: tag, length varint, data (the
-    field is in a oneof, so an empty one is written too)."""
-    return 1 + _varint_size(n) + n
-
-
-def _varint_size(n: int) -> int:
-    return max(1, -(-n.bit_length() // 7))
 
 
 def _check_header(
