@@ -61,10 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admission-window",
         type=float,
-        default=float(env("TANDEM_TARGET_ADMISSION_WINDOW", "0.004")),
+        default=float(env("TANDEM_TARGET_ADMISSION_WINDOW", "0.008")),
         help="seconds an idle target waits after a first request for the rest of its burst, "
         "so they prefill in one step (stops once none came for a quarter of it; 0: off; "
-        "default: 0.004)",
+        "default: 0.008)",
     )
     p.add_argument("--page-size", type=int, default=int(env("TANDEM_TARGET_PAGE_SIZE", "16")))
     p.add_argument("--num-pages", type=int, default=env("TANDEM_TARGET_NUM_PAGES", None))

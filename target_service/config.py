@@ -24,7 +24,7 @@ class TargetServiceConfig:
     status_interval_s: float = 0.25  # TargetStatus to the gateway at most this often
     # An idle engine's first admit waits up to this long for the rest of its burst (stopping
     # once none came for a quarter of it), so prompts arriving together prefill together.
-    admission_window_s: float = 0.004
+    admission_window_s: float = 0.008
     reflection: bool = False
     grace_s: float = 10.0  # SIGTERM: drain this long before exiting
     max_message_bytes: int = 64 << 20
