@@ -220,6 +220,26 @@ def test_a_costly_catch_up_counts_in_what_measuring_speculation_cost() -> None:
     assert starts == [8 + 107, 8 + 107 + 9 + 1607], starts
 
 
+def test_a_re_check_compares_against_what_the_running_mode_did() -> None:
+    """Speculation's window is lucky (3 tokens in 2 ms, 1.5x plain decoding); then it runs at
+    3 tokens in 4 ms (0.75x). At the re-check plain decoding's new window is compared with
+    speculation's steps since its decision, not its old window: plain decoding wins."""
+    config = PolicyConfig(window_steps=4, settle_steps=1, first_explore_steps=16)
+    policy = SpecPolicy(config)
+    modes = []
+    for step in range(80):
+        on = policy.speculate(1)
+        modes.append(on)
+        lucky = step < 5
+        tokens, ns = (3, 2_000_000 if lucky else 4_000_000) if on else (1, 1_000_000)
+        policy.record(1, tokens, ns)
+    # speculation measured (5 steps), plain (5), speculation run for 16, plain measured again
+    assert modes[:5] == [True] * 5 and modes[5:10] == [False] * 5
+    assert all(modes[10:26]) and not any(modes[26:31])
+    assert policy.rates(1)["speculate"] == pytest.approx(750.0)
+    assert not any(modes[31:])  # plain decoding wins; 0.75x is rarely measured again
+
+
 def test_reset_forgets_every_decision() -> None:
     """A bucket decided on cold steps (a service's warm-up) starts over after reset: it
     measures speculation first again, whatever it ran before."""
