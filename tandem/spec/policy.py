@@ -94,6 +94,9 @@ class _Bucket:
     ns: int = 0  # the window's time, or (exploiting) the time since the decision
     debt_ns: float = 0.0  # what the last window of the slower mode lost against the better
     unsettled: int = 0  # steps of this window skipped while the draft caught up
+    # Speculation's last window gave up (a draft service still taking in new prompts) and it
+    # has not been measured since: re-checks come every explore_steps only.
+    gave_up: bool = False
     ingesting: int = 0  # steps of this window that decoded plainly while the draft took in prompts
     catch_up: tuple[int, int] = (0, 0)  # their (tokens, ns)
     # Per mode, the (tokens, ns) its last window skipped: no part of its rate, but part of
@@ -162,6 +165,8 @@ class SpecPolicy:
             b.tokens += committed_tokens
             b.ns += step_ns
             interval = min(c.explore_steps, c.first_explore_steps << max(0, b.decisions - 1))
+            if b.gave_up:
+                interval = c.explore_steps
             # A first decision its windows' median steps contradict is checked again at once:
             # a few cold steps (a first shape, a compile) slow a window's mean, not its median.
             paid = (b.decisions <= 1 and b.contested) or b.ns * c.explore_budget >= b.debt_ns
@@ -185,7 +190,12 @@ class SpecPolicy:
         b.windows[b.mode] = (b.tokens, b.ns)
         b.switch_costs[b.mode] = b.catch_up
         b.typical[b.mode] = statistics.median(b.step_rates)
+        b.gave_up = b.gave_up and b.mode is Mode.PLAIN
         other = _other(b.mode)
+        if other not in b.windows and b.gave_up:  # speculation could not be measured: K=0
+            b.decisions += 1
+            self._switch(b, Mode.PLAIN, measuring=False)
+            return
         if other not in b.windows:  # a new bucket: measure the other mode too
             self._switch(b, other, measuring=True)
             return
@@ -217,9 +227,12 @@ class SpecPolicy:
 
     def _give_up(self, b: _Bucket, batch_size: int) -> None:
         """Speculation could not be measured (the draft is still taking in new prompts): K=0,
-        decided if it has a window, else measured. What the window's steps took beyond K=0's
-        rate (steps that waited on the draft between those taking in prompts) is the debt the
-        next re-check waits on, as after a lost window."""
+        decided if it has a window, else measured and then decided. What the window's steps
+        took beyond K=0's rate (steps that waited on the draft between those taking in
+        prompts) is the debt the next re-check waits on, as after a lost window, and re-checks
+        come every ``explore_steps`` until speculation is measured: each attempt sends the
+        draft the batch's prompts (at bs 32 and 64 through the services every attempt gave up,
+        two or three a round)."""
         logger.info(
             "batch %d: speculation not measured (%d steps while the draft took in new prompts): "
             "K=0",
@@ -230,6 +243,7 @@ class SpecPolicy:
         if decided:
             b.debt_ns = _loss_ns(*b.catch_up, b.rates[Mode.PLAIN])
         b.decisions += decided
+        b.gave_up = True
         self._switch(b, Mode.PLAIN, measuring=not decided)
 
     def _better(self, rates: dict[Mode, float]) -> Mode:

@@ -175,12 +175,14 @@ def test_a_speculation_window_that_only_sees_the_draft_ingest_gives_up() -> None
         policy.record(1, 1, 1_000_000)
     assert policy.rates(1) == {"plain": 1000.0}
     bucket = policy._bucket(1)
+    # K=0 decided, not speculation measured again at once: it gave up
+    assert not policy.speculate(1) and not bucket.measuring and bucket.decisions == 1
     bucket.mode, bucket.measuring = Mode.SPECULATE, True  # a re-check
     policy.record(1, 0, 60_000_000, settled=False)  # a step that waited 60 ms on the draft
     for _ in range(6):
         policy.record(1, 1, 1_000_000, ingesting=True)
     assert not policy.speculate(1) and not bucket.measuring  # K=0, decided
-    assert policy.rates(1) == {"plain": 1000.0} and bucket.decisions == 1
+    assert policy.rates(1) == {"plain": 1000.0} and bucket.decisions == 2
     # The wait is the debt: 66 ms for 6 tokens at 1000 tokens/s. The next re-check waits for
     # 60 ms / 0.03 = 2 s of K=0, not the 32 steps after a first decision.
     assert bucket.debt_ns == pytest.approx(60_000_000)
@@ -189,6 +191,27 @@ def test_a_speculation_window_that_only_sees_the_draft_ingest_gives_up() -> None
         policy.record(1, 1, 1_000_000)
         waited += 1
     assert waited == 2000
+
+
+def test_after_a_give_up_speculation_is_re_checked_every_explore_steps() -> None:
+    """Each attempt at speculation while a draft service takes in new prompts sends it the
+    batch's prompts; after a give-up the re-checks come every explore_steps (not after 32, 64,
+    ... steps), until a speculation window is measured again."""
+    config = PolicyConfig(window_steps=4, settle_steps=0, max_unsettled_steps=5, explore_steps=300)
+    policy = SpecPolicy(config)
+    modes = []
+    for step in range(1000):
+        on = policy.speculate(8)
+        modes.append(on)
+        # the draft takes in prompts until step 700; then speculation is measured (and loses)
+        policy.record(
+            8, 8 if not on else 12, 1_000_000 if not on else 2_000_000, ingesting=on and step < 700
+        )
+    starts = [i for i in range(len(modes)) if modes[i] and (i == 0 or not modes[i - 1])]
+    # an attempt (6 steps), K=0 measured (4 steps) and decided; every 300 plain steps another
+    assert starts[:3] == [0, 310, 616], starts
+    bucket = policy._bucket(8)
+    assert not bucket.gave_up and policy.rates(8)["speculate"] == pytest.approx(6000.0)
 
 
 def test_a_costly_catch_up_counts_in_what_measuring_speculation_cost() -> None:
