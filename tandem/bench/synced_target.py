@@ -28,6 +28,7 @@ from google.protobuf import json_format
 
 import target_service.__main__ as target_main
 from tandem import serving
+from tandem.bench import stalls
 from tandem.runner import ModelInputs, ModelRunner
 from tandem.v1 import target_pb2
 from target_service.engine import TargetLoop
@@ -88,7 +89,7 @@ def read_steps(path: Path, windows: list[tuple[int, int]]) -> list[target_pb2.St
 
 if __name__ == "__main__":
     serving.log_gc_pauses(logger)
-    serving.log_stalls(logger)
+    stalls.log_stalls(logger)
     ModelRunner.forward = _synced(ModelRunner.forward)  # type: ignore[method-assign]
     step_log = os.environ.get(ENV_STEP_LOG)
     if step_log:

@@ -1,5 +1,6 @@
 """Protobuf <-> domain conversion for the wire contract (``from tandem import wire``):
-tensors and frames in ``frames``, the contract's domain messages in ``convert``."""
+tensors and frames in ``frames`` (decoding) and ``framing`` (encoding), the contract's domain
+messages in ``convert``."""
 
 from tandem.wire.convert import (
     HIDDEN_STATES,
@@ -23,16 +24,18 @@ from tandem.wire.convert import (
 from tandem.wire.frames import (
     MAX_FRAME_BYTES,
     MAX_NDIM,
-    EncodedFrame,
     FrameAssembler,
-    encode_frames,
-    length_tag,
     proto_dtype,
     tensor_from_frames,
     tensor_from_proto,
-    tensor_to_frames,
     tensor_to_proto,
     torch_dtype,
+)
+from tandem.wire.framing import (
+    EncodedFrame,
+    encode_frames,
+    length_tag,
+    tensor_to_frames,
     varint,
 )
 

@@ -18,13 +18,8 @@ from tandem.request import FinishReason
 from tandem.sampling import SamplingParams
 from tandem.spec.types import DraftAdmit, SpecConfig, SpecStats, Tree, VerifyOutcome
 from tandem.v1 import common_pb2, draft_pb2
-from tandem.wire.frames import (
-    MAX_FRAME_BYTES,
-    _field,
-    add_frames,
-    tensor_from_frames,
-    tensor_to_frames,
-)
+from tandem.wire.frames import MAX_FRAME_BYTES, _field, tensor_from_frames
+from tandem.wire.framing import add_frames, tensor_to_frames
 
 HIDDEN_STATES = "hidden_states"  # TensorFrame.name of prompt and outcome features
 MAX_TEMPERATURE = 2.0  # common.proto's bound (vLLM's)

@@ -2,7 +2,8 @@
 
 Tensors travel as their raw row-major little-endian element bytes (DESIGN.md section 6; bf16
 as its uint16 bit pattern): a `Tensor` message for small ones, `TensorFrame` chunks of at most
-4 MiB serialized for anything that grows with the prompt or the batch. Decoding trusts nothing:
+4 MiB serialized for anything that grows with the prompt or the batch (built by
+``tandem.wire.framing``). Decoding trusts nothing:
 dtype, shape, sizes, chunk order and a byte cap are checked before a buffer is allocated, and
 every mismatch raises `InvalidRequest` naming the field. There is no pickle and no `torch.load`
 here; bytes become tensors only through `torch.frombuffer` on a private copy.
@@ -13,17 +14,12 @@ memory; importing this module on a big-endian host fails rather than corrupting 
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
-from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
-from google.protobuf.message import Message
 
 from tandem.errors import InvalidRequest
 from tandem.v1 import common_pb2
@@ -49,11 +45,7 @@ _DTYPES: dict[common_pb2.Dtype, torch.dtype] = {
 }
 _PROTO_DTYPES: dict[torch.dtype, common_pb2.Dtype] = {v: k for k, v in _DTYPES.items()}
 
-_U32_MAX = 2**32 - 1
-_U64_MAX = 2**64 - 1
 _I64_MAX = 2**63 - 1
-_DATA_FIELD_OVERHEAD = 1 + 10  # tag of TensorFrame.data + the longest length varint
-_CHUNK_ALIGN = 64  # chunk sizes are a multiple of every itemsize, so no element is split
 
 
 def proto_dtype(dtype: torch.dtype) -> common_pb2.Dtype:
@@ -88,105 +80,6 @@ def tensor_from_proto(msg: Tensor, *, max_bytes: int, path: str = "") -> torch.T
         msg.dtype, msg.shape, len(msg.data), max_bytes=max_bytes, path=path, size_field="data"
     )
     return _decode(bytearray(msg.data), dtype, shape, path=path)
-
-
-def tensor_to_frames(
-    name: str, t: torch.Tensor, *, max_chunk_bytes: int = MAX_FRAME_BYTES
-) -> list[TensorFrame]:
-    """Split a tensor into frames whose serialized size (`ByteSize()`) is <= max_chunk_bytes.
-
-    Chunk 0 carries dtype and shape; every chunk carries name, counts and offsets. An empty
-    tensor is one frame with no data.
-    """
-    return [
-        TensorFrame(**frame.header, data=frame.data.tobytes())
-        for frame in encode_frames(name, t, max_chunk_bytes)
-    ]
-
-
-def add_frames(
-    frames: RepeatedCompositeFieldContainer[TensorFrame],
-    name: str,
-    t: torch.Tensor,
-    *,
-    max_chunk_bytes: int = MAX_FRAME_BYTES,
-) -> None:
-    """Appends `tensor_to_frames`'s frames to a repeated TensorFrame field, built in place:
-    appending a built frame copies its bytes once more (a step's outcome features cross the
-    host several times already)."""
-    for frame in encode_frames(name, t, max_chunk_bytes):
-        frame.add_to(frames)
-
-
-@dataclass(frozen=True)
-class EncodedFrame:
-    """One `TensorFrame` encoded, not in a message: ``head`` is its serialized fields before
-    the data (the header, the data field's tag and length) and ``data`` the chunk's bytes, so
-    a frame waiting to be sent costs no message of its own. ``add_to`` builds it into a
-    repeated field (one copy of the data); ``pieces`` are its serialized bytes, for a message
-    joined from bytes (``tandem.draft_stream.Outgoing``: upb would copy the data into the
-    message and again in its encoder). ``size`` is the serialized size, known without
-    serialising (upb's ``ByteSize`` encodes the whole message: a frame's 4 MiB again)."""
-
-    header: dict[str, Any]
-    head: bytes
-    data: memoryview  # the chunk's bytes in the tensor's memory: it must not change until sent
-
-    @property
-    def size(self) -> int:
-        return len(self.head) + len(self.data)
-
-    def add_to(self, frames: RepeatedCompositeFieldContainer[TensorFrame]) -> None:
-        frames.add(**self.header, data=self.data.tobytes())
-
-    def pieces(self) -> tuple[bytes, memoryview]:
-        return self.head, self.data
-
-
-def encode_frames(
-    name: str, t: torch.Tensor, max_chunk_bytes: int = MAX_FRAME_BYTES
-) -> list[EncodedFrame]:
-    """`tensor_to_frames`'s frames as `EncodedFrame` s, their data views of the tensor's bytes
-    (a copy first where it is not a contiguous CPU tensor): nothing is copied until a message
-    is built or joined."""
-    dtype, shape, flat = _element_bytes(t)
-    chunk_bytes = _chunk_payload_bytes(name, dtype, tuple(shape), max_chunk_bytes)
-    total_bytes = flat.size
-    num_chunks = max(1, -(-total_bytes // chunk_bytes))
-    frames = []
-    for index in range(num_chunks):
-        offset = index * chunk_bytes
-        header: dict[str, Any] = {
-            "name": name,
-            "chunk_index": index,
-            "num_chunks": num_chunks,
-            "byte_offset": offset,
-            "total_bytes": total_bytes,
-        }
-        if index == 0:
-            header |= {"dtype": dtype, "shape": shape}
-        data = flat[offset : offset + chunk_bytes].data  # a memoryview of the array
-        head = TensorFrame(**header).SerializeToString() + _DATA_TAG + varint(len(data))
-        frames.append(EncodedFrame(header=header, head=head, data=data))
-    return frames
-
-
-def varint(n: int) -> bytes:
-    """``n`` (>= 0) as a protobuf base-128 varint."""
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def length_tag(message: type[Message], field: str) -> bytes:
-    """The tag of a length-delimited field (a string, bytes or message) of ``message``."""
-    return varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
-
-
-_DATA_TAG = length_tag(TensorFrame, "data")
 
 
 def tensor_from_frames(
@@ -401,27 +294,3 @@ def _decode(
             raise InvalidRequest(_field(path, "data"), "bool elements must be 0 or 1")
         return raw.view(torch.bool).reshape(shape)
     return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
-
-
-@functools.lru_cache(maxsize=256)
-def _chunk_payload_bytes(
-    name: str, dtype: common_pb2.Dtype, shape: tuple[int, ...], max_chunk_bytes: int
-) -> int:
-    """Data bytes per chunk so that a frame's serialized size stays <= max_chunk_bytes
-    (cached: a step's outcomes repeat a few shapes, and sizing a header builds a message)."""
-    widest_header = TensorFrame(
-        name=name,
-        chunk_index=_U32_MAX,
-        num_chunks=_U32_MAX,
-        byte_offset=_U64_MAX,
-        total_bytes=_U64_MAX,
-        dtype=dtype,
-        shape=shape,
-    ).ByteSize()
-    payload = (max_chunk_bytes - widest_header - _DATA_FIELD_OVERHEAD) // _CHUNK_ALIGN
-    if payload < 1:
-        raise ValueError(
-            f"max_chunk_bytes={max_chunk_bytes} leaves no room for data after a "
-            f"{widest_header}-byte frame header"
-        )
-    return payload * _CHUNK_ALIGN

@@ -14,7 +14,7 @@ from tandem import wire
 from tandem.errors import InvalidRequest
 from tandem.v1 import common_pb2, draft_pb2
 from tandem.v1.common_pb2 import Tensor, TensorFrame
-from tandem.wire.frames import add_frames
+from tandem.wire.framing import add_frames
 
 MiB = 1024 * 1024
 DTYPES = [
