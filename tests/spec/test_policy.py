@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -340,6 +341,33 @@ def test_a_growing_batch_is_decided_at_the_size_it_grows_to(ckpts: Checkpoints) 
     _run(engine, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert policy.asked[0] == 4 and set(policy.asked[: len(policy.measured)]) == {4}
     assert policy.measured[0] == 4 and max(policy.measured) == 4
+    _assert_clean(engine)
+
+
+def test_the_policy_counts_the_time_between_steps(ckpts: Checkpoints) -> None:
+    """What the caller does between steps (a service's loop; a thread holding the GIL) is part
+    of a step's cost for the policy: with 30 ms between decode steps no step is measured
+    faster than 1 token per 30 ms, except after a pause of a second or more."""
+
+    class Times(SpecPolicy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps: list[tuple[int, int]] = []
+
+        def record(self, batch_size: int, tokens: int, ns: int, **kwargs: bool) -> None:
+            self.steps.append((tokens, ns))
+            super().record(batch_size, tokens, ns, **kwargs)
+
+    engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
+    engine.policy = policy = Times()
+    engine.add_request(ragged_prompts()[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        time.sleep(0.03)
+    assert len(policy.steps) >= 2
+    assert all(ns >= 30_000_000 for _, ns in policy.steps)
+    engine._last_step_end = time.perf_counter_ns() - 2_000_000_000  # a pause of 2 s
+    assert engine._policy_ns(time.perf_counter_ns()) < 1_000_000_000
     _assert_clean(engine)
 
 
