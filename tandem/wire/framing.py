@@ -52,17 +52,22 @@ def add_frames(
 
 @dataclass(frozen=True)
 class EncodedFrame:
-    """One `TensorFrame` encoded, not in a message: ``head`` is its serialized fields before
-    the data (the header, the data field's tag and length) and ``data`` the chunk's bytes, so
-    a frame waiting to be sent costs no message of its own. ``add_to`` builds it into a
-    repeated field (one copy of the data); ``pieces`` are its serialized bytes, for a message
-    joined from bytes (``tandem.draft_stream.Outgoing``: upb would copy the data into the
-    message and again in its encoder). ``size`` is the serialized size, known without
-    serialising (upb's ``ByteSize`` encodes the whole message: a frame's 4 MiB again)."""
+    """One `TensorFrame` encoded, not in a message: its header fields and ``data``, the
+    chunk's bytes, so a frame waiting to be sent costs no message of its own. ``add_to``
+    builds it into a repeated field (one copy of the data); ``pieces`` are its serialized
+    bytes, for a message joined from bytes (``tandem.draft_stream.Outgoing``: upb would copy
+    the data into the message and again in its encoder). ``size`` is the serialized size,
+    known without serialising the data (upb's ``ByteSize`` encodes the whole message: a
+    frame's 4 MiB again)."""
 
     header: dict[str, Any]
-    head: bytes
     data: memoryview  # the chunk's bytes in the tensor's memory: it must not change until sent
+
+    @functools.cached_property
+    def head(self) -> bytes:
+        """The serialized fields before the data: the header, the data field's tag and
+        length (built on first use: frames built into a message never need it)."""
+        return TensorFrame(**self.header).SerializeToString() + _DATA_TAG + varint(len(self.data))
 
     @property
     def size(self) -> int:
@@ -98,8 +103,7 @@ def encode_frames(
         if index == 0:
             header |= {"dtype": dtype, "shape": shape}
         data = flat[offset : offset + chunk_bytes].data  # a memoryview of the array
-        head = TensorFrame(**header).SerializeToString() + _DATA_TAG + varint(len(data))
-        frames.append(EncodedFrame(header=header, head=head, data=data))
+        frames.append(EncodedFrame(header=header, data=data))
     return frames
 
 
