@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gzip
 import io
 import pstats
+import shutil
 import statistics
 import time
 from collections import defaultdict
@@ -62,6 +64,14 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="the draft as a service in its own process, reached through a RemoteDrafter",
     )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="after the measured round, one more of --trace-tokens under torch.profiler: its "
+        "chrome trace written here (gzipped) and its busiest host ops printed",
+    )
+    p.add_argument("--trace-tokens", type=int, default=24)
     args = p.parse_args(argv)
 
     preset = PRESETS[args.preset]
@@ -304,6 +314,8 @@ def profile(
         for spec_mode, verified, running, total, fwd, draft in log:
             mode = "spec" if spec_mode else "k0  "
             print(f"  {mode} {verified:4d} {running:4d} {total:9.2f} {fwd:8.2f} {draft:8.2f}")
+    if args.trace is not None:
+        trace_round(args, lambda: round_(2, args.trace_tokens))
     if args.no_cprofile:
         return
     out = io.StringIO()
@@ -311,6 +323,44 @@ def profile(
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumulative").print_stats(r"tandem/|kernels/", args.top)
     print(out.getvalue())
+
+
+def trace_round(args: argparse.Namespace, run: Any) -> None:
+    """One round under ``torch.profiler``: the chrome trace, the host ops by own time, and the
+    device's busy fraction over the round (kernels and copies merged)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as prof:
+        wall = run()
+    args.trace.parent.mkdir(parents=True, exist_ok=True)
+    raw = args.trace.with_suffix("")
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(args.trace, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    print(f"traced round: {wall * 1e3:.1f} ms, trace {args.trace}")
+    for key in ("cpu_time_total", "self_cpu_time_total"):
+        print(prof.key_averages().table(sort_by=key, row_limit=args.top))
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, end = 0, None
+    for start, stop in spans:
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    if spans:
+        window = spans[-1][1] - spans[0][0]
+        print(f"device busy {busy / 1e3:.1f} ms of {window / 1e3:.1f} ms ({busy / window:.1%})")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem import ahead
+from tandem.clock import StreamClock
 from tandem.config import EngineConfig
 from tandem.errors import InvalidRequest
 from tandem.graphs import graph_widths
@@ -52,10 +53,10 @@ _MAX_POLICY_GAP_NS = 1_000_000_000  # between steps: longer is a pause, not a st
 
 @dataclass(frozen=True)
 class StepTiming:
-    """Where one step's time went (host clock, ns)."""
+    """Where one step's time went (ns; the host's clock except ``forward_ns``)."""
 
     total_ns: int = 0
-    forward_ns: int = 0  # the target model's forward
+    forward_ns: int = 0  # the target's forward: device time on CUDA (tandem.clock)
     draft_wait_ns: int = 0  # in Drafter.submit/collect: the draft's work or waiting for it
     draft_model_ns: int = 0  # the draft model's compute that this step's trees cost
 
@@ -168,6 +169,7 @@ class Engine:
         self.last_lane = MAX_LANES - 1  # the lane the last step ran (lane 0 goes first)
         self.last_stats = SpecStats()  # the last step's verifications, all requests together
         self.last_timing = StepTiming()
+        self._forward_clock = StreamClock(self.runner.device)  # a verified step's forward
         self.overlapped_steps = 0  # steps whose forward ran while another lane was drafted
         self.in_flight: ahead.InFlight | None = None  # a plain decode step not read yet
         self.ahead_steps = 0  # steps launched before the last one was read
@@ -329,10 +331,11 @@ class Engine:
         layers = self.drafter.target_layer_ids if self.drafter is not None else ()
         if exchange is not None and exchange.other_lane_in_flight(lane):
             self.overlapped_steps += 1
-        forward_started = time.perf_counter_ns()
+        self._forward_clock.start()
         outputs = self.runner.forward(inputs, layers)
-        forward_ns = time.perf_counter_ns() - forward_started
-        verified = self._verify(batch, inputs, outputs)
+        self._forward_clock.stop()
+        verified = self._verify(batch, inputs, outputs)  # reads the outcome: the forward is done
+        forward_ns = self._forward_clock.elapsed_ns()
         self._commit(batch, decoding, verified)
         results = self.scheduler.postprocess(
             batch,

@@ -10,10 +10,10 @@ Two measurements per batch size, each its own row:
   split into draft / verify / wire+host and the acceptance per draft position. One lane.
 
 The gateway rows get the same columns from the target's step log
-(``tandem.bench.synced_target.ENV_STEP_LOG``): the steps sent while a measured round ran.
+(``tandem.bench.bench_target.ENV_STEP_LOG``): the steps sent while a measured round ran.
 
-The target runs under ``tandem.bench.synced_target`` (the target service with the forward
-synchronised, as in process) and, with ``simulate_accept_length``, with
+The target runs under ``tandem.bench.bench_target`` (the target service with its steps logged
+and its GIL stalls watched; the forward timed by events, as in process) and, with ``simulate_accept_length``, with
 ``TANDEM_SIMULATE_ACCEPT_LENGTH`` in its environment.
 
 With an :class:`IdleProbe` (``tandem bench --profile-idle``) the target's and the draft's
@@ -35,7 +35,7 @@ from unittest import mock
 import grpc
 from google.protobuf import json_format
 
-from tandem.bench import synced_target
+from tandem.bench import bench_target
 from tandem.bench.inprocess import Workload, fill_latency, prompts
 from tandem.bench.probe import IdleProbe
 from tandem.bench.report import Row, median_ms
@@ -83,11 +83,11 @@ def start_stack(
     )
     for svc in stack.services:
         if svc.name == "target":
-            svc.module = "tandem.bench.synced_target"
+            svc.module = "tandem.bench.bench_target"
         if svc.name == "draft" and draft_device is not None:
             svc.args[svc.args.index("--device") + 1] = draft_device
     env = {} if probe is None else probe.env()
-    env[synced_target.ENV_STEP_LOG] = str(step_log(log_dir))
+    env[bench_target.ENV_STEP_LOG] = str(step_log(log_dir))
     if simulate_accept_length is not None:
         env[simulate.ENV_VAR] = str(simulate_accept_length)
     with mock.patch.dict(os.environ, env):  # the services inherit it; this process does not
@@ -154,7 +154,7 @@ def through_gateway(
     row = asyncio.run(main())
     if log_dir is not None:
         time.sleep(0.2)  # the target's writer thread is a step or so behind
-        steps = synced_target.read_steps(step_log(log_dir), windows)
+        steps = bench_target.read_steps(step_log(log_dir), windows)
         _fill_steps(row, steps, positions)
         _write_steps(log_dir / f"steps-bs{batch_size}-gateway.jsonl", steps)
     return row

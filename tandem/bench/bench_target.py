@@ -1,7 +1,7 @@
-"""``python -m tandem.bench.synced_target``: the target service for benchmarks, its forward
-followed by a device synchronisation so that StepStats.verify_ns is the forward's GPU time
-(``tandem.bench.inprocess.synced_forward``; a no-op on CPU), except in steps decoding ahead
-(``tandem.ahead``), which nothing may wait for. Garbage collections of 2 ms or more are logged,
+"""``python -m tandem.bench.bench_target``: the target service for benchmarks (its
+StepStats.verify_ns is the forward's device time, from timing events: ``tandem.clock``; until
+run Y1 this was ``synced_target``, which synchronised after each forward and so held back the
+verification's host work behind it). Garbage collections of 2 ms or more are logged,
 so that a slow step in StepStats can be told from a collection, and so are stretches of 15 ms or
 more in which a watchdog thread did not get the GIL, with where the other threads stood. With
 ``TANDEM_BENCH_STEP_LOG`` set, every step that verified something is appended there as one JSON
@@ -23,30 +23,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from google.protobuf import json_format
 
 import target_service.__main__ as target_main
 from tandem import serving
 from tandem.bench import stalls
-from tandem.runner import ModelInputs, ModelRunner
 from tandem.v1 import target_pb2
 from target_service.engine import TargetLoop
 
-logger = logging.getLogger("tandem.bench.synced_target")
+logger = logging.getLogger("tandem.bench.bench_target")
 
 ENV_STEP_LOG = "TANDEM_BENCH_STEP_LOG"
-
-
-def _synced(forward: Any) -> Any:
-    @functools.wraps(forward)
-    def run(self: ModelRunner, inputs: ModelInputs, *args: Any, **kwargs: Any) -> Any:
-        out = forward(self, inputs, *args, **kwargs)
-        if str(self.device).startswith("cuda") and not inputs.ahead:
-            torch.cuda.synchronize(self.device)
-        return out
-
-    return run
 
 
 def _logged(send: Any, path: Path) -> Any:
@@ -90,7 +77,6 @@ def read_steps(path: Path, windows: list[tuple[int, int]]) -> list[target_pb2.St
 if __name__ == "__main__":
     serving.log_gc_pauses(logger)
     stalls.log_stalls(logger)
-    ModelRunner.forward = _synced(ModelRunner.forward)  # type: ignore[method-assign]
     step_log = os.environ.get(ENV_STEP_LOG)
     if step_log:
         TargetLoop._send = _logged(TargetLoop._send, Path(step_log))  # type: ignore[method-assign]
