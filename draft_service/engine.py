@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import torch
 
-from tandem import profiling
+from tandem import profiling, transfer
 from tandem.config import DTYPES
 from tandem.models.config import ModelConfig
 from tandem.spec.base import Drafter
@@ -77,7 +77,12 @@ class DraftEngine:
     def __init__(self, config: DraftConfig) -> None:
         self.config = config
         self.dtype = DTYPES[config.dtype]
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="draft-engine",
+            initializer=transfer.bind_thread,
+            initargs=(config.device,),
+        )
         self._drafter: Drafter | None = None
         self.info: DraftInfo | None = None  # set once loaded and warmed up
         self._tracked: dict[int, set[str]] = {}  # stream -> its request ids in the drafter

@@ -203,6 +203,9 @@ def generate(
         if draft is not None or draft_kind is not None:
             spec = SpecConfig(num_steps=spec_steps, topk=spec_topk, num_draft_tokens=spec_tokens)
         with err.status(f"loading {target}"):
+            from tandem.transfer import bind_thread
+
+            bind_thread(device)  # this thread runs the models
             if spec is not None:
                 draft_config = DraftConfig(
                     kind=draft_kind or "eagle3",

@@ -23,6 +23,16 @@ from collections.abc import Sequence
 import torch
 
 
+def bind_thread(device: torch.device | str) -> None:
+    """Makes ``device`` the calling thread's current CUDA device (no-op elsewhere). Triton
+    launches on the current device whatever its arguments' device, and a thread starts on
+    cuda:0: a service on cuda:1 failed its first kernel ("Pointer argument cannot be accessed
+    from Triton"). Every thread that runs a model calls this first."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``host`` (a CPU tensor) on ``device``, copied from pinned memory behind the stream."""
     if torch.device(device).type != "cuda":

@@ -16,9 +16,11 @@ import argparse
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
-from tandem import __version__, security, serving, telemetry
+from tandem import __version__, security, serving, telemetry, transfer
 from tandem.config import SPEC_POLICIES, EngineConfig
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
@@ -29,6 +31,8 @@ from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.config import TargetServiceConfig
 from target_service.engine import TargetLoop
 from target_service.server import TargetServicer
+
+T = TypeVar("T")
 
 logger = logging.getLogger("target_service")
 
@@ -189,7 +193,9 @@ async def main(config: TargetServiceConfig) -> None:
             deadline_s=config.draft_deadline_s,
             tls=config.draft_tls,
         )
-    engine = await asyncio.to_thread(Engine, config.engine, drafter=drafter, spec=config.spec)
+    engine = await asyncio.to_thread(
+        _on_device, config.engine.device, Engine, config.engine, drafter=drafter, spec=config.spec
+    )
     loop = TargetLoop(
         engine,
         status=lambda: status(engine, drafter),
@@ -206,7 +212,7 @@ async def main(config: TargetServiceConfig) -> None:
     credentials = None if config.tls is None else security.server_credentials(config.tls)
     port = serving.bind(server, serving.format_address(config.host, config.port), credentials)
     await server.start()
-    await asyncio.to_thread(warm_up, engine)
+    await asyncio.to_thread(_on_device, config.engine.device, warm_up, engine)
     serving.freeze_heap()
     loop.start()
     await health.set("", serving.SERVING)
@@ -227,6 +233,12 @@ WARM_UP_PARAMS = (  # a greedy and a sampled request: each path's kernels compil
     SamplingParams(max_new_tokens=2, ignore_eos=True),
     SamplingParams(max_new_tokens=2, ignore_eos=True, temperature=1.0, top_k=20, top_p=0.9, seed=0),
 )
+
+
+def _on_device(device: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn`` on a worker thread bound to ``device`` (``transfer.bind_thread``)."""
+    transfer.bind_thread(device)
+    return fn(*args, **kwargs)
 
 
 def warm_up(engine: Engine) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from tandem import profiling, wire
+from tandem import profiling, transfer, wire
 from tandem.engine import Engine
 from tandem.errors import InvalidRequest, NotFound, TandemError
 from tandem.request import FinishReason, RequestOutput
@@ -116,6 +116,7 @@ class TargetLoop:
     # -- the engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        transfer.bind_thread(self.engine.config.device)
         while not self._stop.is_set():
             idle = not self.engine.has_unfinished()
             if idle and self._profile is not None:

@@ -13,8 +13,8 @@ The gateway rows get the same columns from the target's step log
 (``tandem.bench.bench_target.ENV_STEP_LOG``): the steps sent while a measured round ran.
 
 The target runs under ``tandem.bench.bench_target`` (the target service with its steps logged
-and its GIL stalls watched; the forward timed by events, as in process) and, with ``simulate_accept_length``, with
-``TANDEM_SIMULATE_ACCEPT_LENGTH`` in its environment.
+and its GIL stalls watched; the forward timed by events, as in process) and, with
+``simulate_accept_length``, with ``TANDEM_SIMULATE_ACCEPT_LENGTH`` in its environment.
 
 With an :class:`IdleProbe` (``tandem bench --profile-idle``) the target's and the draft's
 step-window profilers (``tandem.profiling``) wait on an arm file; after a row's measured
