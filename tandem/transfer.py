@@ -29,7 +29,7 @@ def bind_thread(device: torch.device | str) -> None:
     cuda:0: a service on cuda:1 failed its first kernel ("Pointer argument cannot be accessed
     from Triton"). Every thread that runs a model calls this first."""
     device = torch.device(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # "cuda": the current one already
         torch.cuda.set_device(device)
 
 
