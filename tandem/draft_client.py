@@ -65,7 +65,6 @@ PROTOCOL_VERSION = 1
 T = TypeVar("T")
 _SPECULATE = "/tandem.v1.DraftService/Speculate"  # the stub's method, with _serialize
 _SAFETY_S = 1.0  # beyond the deadline, the engine thread stops waiting even for a blocked send
-_COPY_POLL_S = 50e-6  # between looks at a step's device-to-host feature copy
 
 
 class DraftState(enum.IntEnum):
@@ -159,6 +158,11 @@ class RemoteDrafter(Drafter):
         self._discard: set[int] = set()  # unanswered steps whose answers nobody waits for
         self._lanes: dict[int, _Submission | None] = {}  # engine thread: lane -> uncollected
         self._next_step = 1
+        # Waits for a step's device-to-host feature copy off the loop: asyncio's epoll sleeps
+        # in whole milliseconds, so a 50 us poll of the copy's event slept 1 ms a look.
+        self._copy_waiter = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="draft-client-copy"
+        )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="draft-client")
         self._thread.daemon = True
@@ -289,6 +293,7 @@ class RemoteDrafter(Drafter):
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
+        self._copy_waiter.shutdown(wait=False)
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -310,8 +315,8 @@ class RemoteDrafter(Drafter):
         # without features must not overtake it: a release before its admit, say). Nothing
         # yields between leaving this lock and taking the write lock, so writes keep the order.
         async with self._order_lock:
-            while copied is not None and not copied.query():
-                await asyncio.sleep(_COPY_POLL_S)  # the reader keeps running meanwhile
+            if copied is not None and not copied.query():  # the reader runs meanwhile
+                await self._loop.run_in_executor(self._copy_waiter, copied.synchronize)
             call = self._call
             if call is None:
                 self._report_dropped([a.request_id for a in admits])

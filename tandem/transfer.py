@@ -10,7 +10,7 @@ the driver whether its source is pinned first, about 0.15 ms a call on the H100 
 - ``read_host``: device tensors onto the host after one wait, for the last copy only.
 - ``to_host``: a step's feature tensors (the draft service's messages: EAGLE-3 sends three
   target layers per token) concatenated and cast on the device and copied in one go; nothing
-  waits, and the returned event marks the copy done (the draft client polls it). Tensors
+  waits, and the returned event marks the copy done (the draft client waits on it). Tensors
   already on the host pass through (cast).
 
 On CPU they are plain ``.to`` calls.

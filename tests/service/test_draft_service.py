@@ -218,14 +218,19 @@ def test_trees_equal_in_process(server: ServerThread, ckpts: Ckpts) -> None:
 
 
 class _Copying:
-    """A device-to-host copy that completes after a number of looks (``query``)."""
+    """A device-to-host copy that completes ``seconds`` after it starts (``query`` looks,
+    ``synchronize`` waits, as a CUDA event's)."""
 
-    def __init__(self, looks: int) -> None:
-        self.left = looks
+    def __init__(self, seconds: float) -> None:
+        self.done_at = time.monotonic() + seconds
+        self.waited = False
 
     def query(self) -> bool:
-        self.left -= 1
-        return self.left < 0
+        return time.monotonic() >= self.done_at
+
+    def synchronize(self) -> None:
+        self.waited = True
+        time.sleep(max(0.0, self.done_at - time.monotonic()))
 
 
 def test_a_step_waiting_for_its_copy_keeps_its_place(
@@ -233,8 +238,9 @@ def test_a_step_waiting_for_its_copy_keeps_its_place(
 ) -> None:
     """A step whose features are still being copied to the host goes out before any later
     step: the release right behind an admit reaches the draft after it, so nothing leaks."""
+    copying = _Copying(0.3)
     monkeypatch.setattr(
-        transfer, "to_host", lambda tensors, dtype: ([t.to(dtype) for t in tensors], _Copying(40))
+        transfer, "to_host", lambda tensors, dtype: ([t.to(dtype) for t in tensors], copying)
     )
     remote = _remote(server.address)
     try:
@@ -243,6 +249,7 @@ def test_a_step_waiting_for_its_copy_keeps_its_place(
         remote.collect(0)
         remote.collect(1)
         _wait(lambda: server.num_tracked() == 0, timeout=5)
+        assert copying.waited  # the copy was not done when the loop got to it
         assert remote.num_tracked() == 0 and remote.take_dropped() == []
         assert remote.state is DraftState.HEALTHY
     finally:
