@@ -4,12 +4,14 @@ On CUDA, two timing events bracket the work on the device's current stream and a
 the host has waited for that stream past them anyway (a step's one read of its outcome): a
 host synchronisation only to time the forward would hold back the host work that otherwise
 runs beside it (the verification's launches, at bs 1 1.5-2 ms a speculative step on an H100).
-Elsewhere the host's clock: CPU work runs synchronously.
+Elsewhere the host's clock: CPU work runs synchronously. ``StepTiming`` is where an engine
+step's time went.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -48,3 +50,18 @@ class StreamClock:
         begin, end = self._events
         end.synchronize()
         return round(begin.elapsed_time(end) * 1e6)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one step's time went (ns; the host's clock except ``forward_ns``)."""
+
+    total_ns: int = 0
+    forward_ns: int = 0  # the target's forward: device time on CUDA (StreamClock)
+    draft_wait_ns: int = 0  # in Drafter.submit/collect: the draft's work or waiting for it
+    draft_model_ns: int = 0  # the draft model's compute that this step's trees cost
+
+    @property
+    def overhead_ns(self) -> int:
+        """Everything outside model compute: host bookkeeping, serialisation, transport."""
+        return self.total_ns - self.forward_ns - self.draft_model_ns

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from tandem import ahead
-from tandem.clock import StreamClock
+from tandem.clock import StepTiming, StreamClock
 from tandem.config import EngineConfig
+from tandem.engine_ahead import MAX_LANES, AheadSteps
 from tandem.errors import InvalidRequest
 from tandem.graphs import graph_widths
 from tandem.kv import KVCache, KVCacheSpec
@@ -40,30 +41,13 @@ from tandem.spec.exchange import DraftExchange
 from tandem.spec.policy import NeverSpeculate, SpecPolicy
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import SpecConfig, SpecStats
-from tandem.spec.verify import Verified, compact, verify
-from tandem.transfer import device_ints
+from tandem.spec.verify import Verified, commit, verify_rows
 
 logger = logging.getLogger(__name__)
 
 # Without a size, a CPU pool gets this budget (capped by what max_num_seqs full contexts need).
 _CPU_KV_BYTES = 1 << 30
-MAX_LANES = 2
 _MAX_POLICY_GAP_NS = 1_000_000_000  # between steps: longer is a pause, not a step's cost
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """Where one step's time went (ns; the host's clock except ``forward_ns``)."""
-
-    total_ns: int = 0
-    forward_ns: int = 0  # the target's forward: device time on CUDA (tandem.clock)
-    draft_wait_ns: int = 0  # in Drafter.submit/collect: the draft's work or waiting for it
-    draft_model_ns: int = 0  # the draft model's compute that this step's trees cost
-
-    @property
-    def overhead_ns(self) -> int:
-        """Everything outside model compute: host bookkeeping, serialisation, transport."""
-        return self.total_ns - self.forward_ns - self.draft_model_ns
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +61,7 @@ class GenerationResult:
     stats: SpecStats
 
 
-class Engine:
+class Engine(AheadSteps):
     """Batches ragged requests through prefill (chunked) and decode, speculating when given a
     drafter."""
 
@@ -372,139 +356,17 @@ class Engine:
             )
         return results
 
-    # -- decoding ahead (tandem/ahead.py) ------------------------------------------------
-
-    def _step_ahead(
-        self, reqs: list[Request], policy_batch: int, started: int, *, ingesting: bool = False
-    ) -> list[RequestOutput]:
-        """Launches a plain decode step of ``reqs``, then reads the one in flight before it."""
-        exchange, flight = self.exchange, self.in_flight
-        if exchange is not None:
-            exchange.skip(self.scheduler.running, MAX_LANES)  # answers drafted meanwhile: stale
-        batch = ScheduledBatch(requests=reqs, num_new_tokens=[1] * len(reqs))
-        layers = self.drafter.target_layer_ids if self.drafter is not None else ()
-        if flight is None:
-            inputs = self.runner.prepare(batch)  # the first step's tokens are on the host
-        else:
-            ids = flight.ids
-            if len(reqs) < len(flight.batch):
-                kept = set(reqs)
-                index = [i for i, req in enumerate(flight.batch.requests) if req in kept]
-                ids = ids[device_ints(index, ids.device)]
-            inputs = self.runner.prepare_ahead(batch, ids)
-        inputs.ahead = True
-        forward_started = time.perf_counter_ns()
-        outputs = self.runner.forward(inputs, layers)
-        for req in reqs:
-            req.num_computed += 1
-        self.in_flight = ahead.launch(batch, inputs, outputs)
-        self.ahead_steps += 1
-        forward_ns = time.perf_counter_ns() - forward_started
-        self.last_stats = SpecStats()  # what the read below commits, if any
-        results = self._read_ahead(flight) if flight is not None else []
-        self.last_speculated = False
-        self.last_timing = StepTiming(
-            total_ns=time.perf_counter_ns() - started,
-            forward_ns=forward_ns + self._ahead_wait_ns,
-        )
-        # A launch that reads nothing (the first after a speculative step) is time in this
-        # mode too: a switch to K=0 (a draft service taking in prompts, say) pays it.
-        if self.policy is not None and (results or flight is None):
-            committed = sum(len(out.new_token_ids) for out in results)
-            self.policy.record(
-                policy_batch, committed, self._policy_ns(started), ingesting=ingesting
-            )
-        return results
-
-    def _drain_ahead(self, started: int) -> list[RequestOutput]:
-        """Reads the step in flight and launches nothing."""
-        flight, self.in_flight = self.in_flight, None
-        assert flight is not None
-        results = self._read_ahead(flight)
-        self.last_timing = StepTiming(
-            total_ns=time.perf_counter_ns() - started, forward_ns=self._ahead_wait_ns
-        )
-        return results
-
-    def _read_ahead(self, flight: ahead.InFlight) -> list[RequestOutput]:
-        """Commits a step in flight: its tokens, the statistics, and (K=0 with a draft) its
-        outcomes for the exchange to hold."""
-        waited = time.perf_counter_ns()
-        verified = flight.read()
-        self._ahead_wait_ns = time.perf_counter_ns() - waited
-        live = [i for i, v in enumerate(verified) if v is not None]
-        batch = ScheduledBatch(
-            requests=[flight.batch.requests[i] for i in live], num_new_tokens=[1] * len(live)
-        )
-        self.last_stats = SpecStats()
-        for req in batch.requests:
-            for stats in (req.stats, self.last_stats):
-                stats.record(0, 0)  # a decode step without a draft
-        done = [verified[i] for i in live]
-        results = self.scheduler.postprocess(
-            batch,
-            [v.new_tokens for v in done],  # type: ignore[union-attr]
-            [v.logprobs for v in done],  # type: ignore[union-attr]
-        )
-        if self.exchange is not None:
-            lane = self.exchange.free_lane(MAX_LANES)
-            self.last_lane = lane if lane is not None else 0
-            self.exchange.submit(
-                self.last_lane,
-                flight.batch,
-                flight.inputs,
-                flight.outputs,
-                verified,
-                self._take_released(),
-                draft=False,
-                send=lane is not None,
-            )
-        return results
-
     def _verify(
         self, batch: ScheduledBatch, inputs: ModelInputs, outputs: ModelOutputs
     ) -> list[Verified | None]:
-        rows = [i for i, tree in enumerate(inputs.trees) if tree is not None]
-        found: list[Verified | None] = [None] * len(batch)
-        if rows:
-            trees = [inputs.trees[i] for i in rows]
-            reqs = [batch.requests[i] for i in rows]
-            done = verify(
-                outputs.logits,
-                trees,  # type: ignore[arg-type]
-                reqs,
-                coin_block=self.coin_block,
-                simulate=self.simulator,
-            )
-            for i, v in zip(rows, done, strict=True):
-                found[i] = v
-        return found
+        return verify_rows(
+            outputs.logits, inputs.trees, batch.requests, self.coin_block, self.simulator
+        )
 
     def _commit(
         self, batch: ScheduledBatch, decoding: list[bool], verified: list[Verified | None]
     ) -> None:
-        """Moves accepted KV into place and advances every request's KV progress."""
-        tree_rows = [
-            i for i, req in enumerate(batch.requests) if req.tree is not None and verified[i]
-        ]
-        compact(
-            self.kv,
-            [batch.requests[i].request_id for i in tree_rows],
-            [batch.requests[i].num_computed for i in tree_rows],
-            [verified[i] for i in tree_rows],  # type: ignore[misc]
-        )
-        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
-            v = verified[i]
-            if req.tree is not None and v is not None:
-                req.num_computed += len(v.accept_nodes)
-                for stats in (req.stats, self.last_stats):
-                    stats.record(len(req.tree) - 1, len(v.accept_nodes) - 1)
-                req.tree = None
-            else:
-                req.num_computed += n
-                if decoding[i]:
-                    for stats in (req.stats, self.last_stats):
-                        stats.record(0, 0)  # a decode step without a draft
+        commit(self.kv, batch.requests, batch.num_new_tokens, decoding, verified, self.last_stats)
 
     def pop_finished(self, request_id: str) -> GenerationResult:
         req = self._requests.pop(request_id)

@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 from opentelemetry import metrics, trace
 
 from tandem import telemetry
-from tandem.engine import Engine, StepTiming
+from tandem.clock import StepTiming
+from tandem.engine import Engine
 from tandem.request import RequestOutput
 from tandem.spec.types import SpecStats
 

@@ -35,7 +35,7 @@ from tandem.kv import KVCache
 from tandem.request import Request
 from tandem.sampling import SamplingBatch, process_logits
 from tandem.spec.simulate import AcceptSimulator
-from tandem.spec.types import Tree
+from tandem.spec.types import SpecStats, Tree
 from tandem.transfer import device_ints, device_segments, read_host
 
 
@@ -152,6 +152,59 @@ def verify(
         new = [tree.tokens[i] for i in nodes[1:]] + [bonus_host[b]]
         out.append(Verified(accept_nodes=nodes, new_tokens=new, logprobs=lps_host[b][:n]))
     return out
+
+
+def verify_rows(
+    logits: torch.Tensor,  # [sum(N_i) over the rows with a tree, V]
+    trees: Sequence[Tree | None],  # per row of the batch; None: a prompt chunk, nothing to verify
+    reqs: Sequence[Request],
+    coin_block: int,
+    simulate: AcceptSimulator | None = None,
+) -> list[Verified | None]:
+    """``verify`` over the rows of a batch that carry a tree; None for the others."""
+    rows = [i for i, tree in enumerate(trees) if tree is not None]
+    found: list[Verified | None] = [None] * len(trees)
+    if rows:
+        done = verify(
+            logits,
+            [trees[i] for i in rows],  # type: ignore[misc]
+            [reqs[i] for i in rows],
+            coin_block=coin_block,
+            simulate=simulate,
+        )
+        for i, v in zip(rows, done, strict=True):
+            found[i] = v
+    return found
+
+
+def commit(
+    kv: KVCache,
+    reqs: Sequence[Request],
+    num_new_tokens: Sequence[int],
+    decoding: Sequence[bool],  # per row: the request decoded (its prompt was complete)
+    verified: Sequence[Verified | None],
+    stats: SpecStats,  # the step's, all requests together (each request keeps its own too)
+) -> None:
+    """Moves accepted KV into place (``compact``) and advances every request's KV progress."""
+    tree_rows = [i for i, req in enumerate(reqs) if req.tree is not None and verified[i]]
+    compact(
+        kv,
+        [reqs[i].request_id for i in tree_rows],
+        [reqs[i].num_computed for i in tree_rows],
+        [verified[i] for i in tree_rows],  # type: ignore[misc]
+    )
+    for i, (req, n) in enumerate(zip(reqs, num_new_tokens, strict=True)):
+        v = verified[i]
+        if req.tree is not None and v is not None:
+            req.num_computed += len(v.accept_nodes)
+            for s in (req.stats, stats):
+                s.record(len(req.tree) - 1, len(v.accept_nodes) - 1)
+            req.tree = None
+        else:
+            req.num_computed += n
+            if decoding[i]:
+                for s in (req.stats, stats):
+                    s.record(0, 0)  # a decode step without a draft
 
 
 def decode_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
