@@ -68,8 +68,8 @@ def build_engine(
     drafter: Drafter | None = None,
 ) -> Engine:
     """An engine over ``model`` (loaded from ``target`` when None), speculating with
-    ``spec`` through ``drafter`` (default: the in-process drafter of ``draft``); its forward
-    synchronised on CUDA but in steps decoding ahead (``overlap``)."""
+    ``spec`` through ``drafter`` (default: the in-process drafter of ``draft``); ``overlap``
+    decodes ahead (``tandem.ahead``)."""
     config = EngineConfig(
         model=target,
         dtype=dtype,
