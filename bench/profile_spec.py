@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from profile_decode import PhaseTimer
 
+from tandem.bench import idle
 from tandem.bench.inprocess import Workload, build_engine, pages_needed, prompts
 from tandem.bench.models import write_preset
 from tandem.bench.presets import PRESETS
@@ -345,22 +346,15 @@ def trace_round(args: argparse.Namespace, run: Any) -> None:
     print(f"traced round: {wall * 1e3:.1f} ms, trace {args.trace}")
     for key in ("cpu_time_total", "self_cpu_time_total"):
         print(prof.key_averages().table(sort_by=key, row_limit=args.top))
-    spans = sorted(
+    spans = idle.union(
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
     )
-    busy, end = 0, None
-    for start, stop in spans:
-        if end is None or start > end:
-            busy += stop - start
-            end = stop
-        elif stop > end:
-            busy += stop - end
-            end = stop
     if spans:
-        window = spans[-1][1] - spans[0][0]
-        print(f"device busy {busy / 1e3:.1f} ms of {window / 1e3:.1f} ms ({busy / window:.1%})")
+        window = (spans[0][0], spans[-1][1])
+        busy, length = idle.busy_ns(spans, window), window[1] - window[0]
+        print(f"device busy {busy / 1e3:.1f} ms of {length / 1e3:.1f} ms ({busy / length:.1%})")
 
 
 if __name__ == "__main__":
