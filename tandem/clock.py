@@ -32,14 +32,16 @@ class StreamClock:
         self._host_ns = 0
 
     def start(self) -> None:
-        self._started = time.perf_counter_ns()
         if self._events is not None:
             self._events[0].record(torch.cuda.current_stream(self.device))
+        else:
+            self._started = time.perf_counter_ns()
 
     def stop(self) -> None:
-        self._host_ns = time.perf_counter_ns() - self._started
         if self._events is not None:
             self._events[1].record(torch.cuda.current_stream(self.device))
+        else:
+            self._host_ns = time.perf_counter_ns() - self._started
 
     def elapsed_ns(self) -> int:
         """The device time from ``start`` to ``stop`` (waits for ``stop``'s point of the
