@@ -158,11 +158,6 @@ class RemoteDrafter(Drafter):
         self._discard: set[int] = set()  # unanswered steps whose answers nobody waits for
         self._lanes: dict[int, _Submission | None] = {}  # engine thread: lane -> uncollected
         self._next_step = 1
-        # Waits for a step's device-to-host feature copy off the loop: asyncio's epoll sleeps
-        # in whole milliseconds, so a 50 us poll of the copy's event slept 1 ms a look.
-        self._copy_waiter = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="draft-client-copy"
-        )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="draft-client")
         self._thread.daemon = True
@@ -293,7 +288,6 @@ class RemoteDrafter(Drafter):
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
-        self._copy_waiter.shutdown(wait=False)
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -315,8 +309,11 @@ class RemoteDrafter(Drafter):
         # without features must not overtake it: a release before its admit, say). Nothing
         # yields between leaving this lock and taking the write lock, so writes keep the order.
         async with self._order_lock:
-            if copied is not None and not copied.query():  # the reader runs meanwhile
-                await self._loop.run_in_executor(self._copy_waiter, copied.synchronize)
+            # A copy not done yet is waited for on the loop's executor (the reader runs
+            # meanwhile): asyncio's epoll sleeps in whole milliseconds, so polling its event
+            # every 50 us slept 1 ms a look.
+            if copied is not None and not copied.query():
+                await self._loop.run_in_executor(None, copied.synchronize)
             call = self._call
             if call is None:
                 self._report_dropped([a.request_id for a in admits])
