@@ -66,6 +66,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the draft as a service in its own process, reached through a RemoteDrafter",
     )
     p.add_argument(
+        "--local-stream",
+        action="store_true",
+        help="with --draft-service: the Speculate stream on the draft's local socket "
+        "(tandem.local_stream); the cycle split below is the gRPC stream's only",
+    )
+    p.add_argument(
         "--trace",
         type=Path,
         default=None,
@@ -128,6 +134,7 @@ def start_draft_service(
         gateway_port=free_port(),
         target_port=free_port(),
         draft_port=free_port(),
+        local_stream=args.local_stream,
     )
     stack.services = [s for s in stack.services if s.name == "draft"]
     print("starting the draft service ...", flush=True)

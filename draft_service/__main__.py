@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=env_default("TANDEM_DRAFT_REFLECTION", False),
     )
+    p.add_argument(
+        "--local-socket",
+        default=env_default("TANDEM_DRAFT_LOCAL_SOCKET", None),
+        help="also serve Speculate streams on this Unix socket (mode 0600), which a target on "
+        "this host uses instead of gRPC when it can open it (default: none)",
+    )
     p.add_argument("--grace", type=float, default=env_default("TANDEM_DRAFT_GRACE_S", 10.0))
     p.add_argument("--log-level", default=env_default("TANDEM_DRAFT_LOG_LEVEL", "INFO"))
     telemetry.add_metrics_argument(p, env_default("TANDEM_DRAFT_METRICS_PORT", None))
@@ -123,6 +129,7 @@ def parse_config(argv: Sequence[str] | None = None) -> DraftServiceConfig:
             log_level=args.log_level,
             tls=security.server_tls_from_args(args),
             metrics_port=args.metrics_port,
+            local_socket=args.local_socket,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -151,7 +158,7 @@ async def run(config: DraftServiceConfig) -> int:
         server.server,
         server.health,
         grace=config.grace_s,
-        on_shutdown=server.engine.close,
+        on_shutdown=server.close,
         stop=stop,
     )
     loading.cancel()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.local_stream import check_path
 from tandem.security import ServerTLS
 from tandem.serving import DEFAULT_MAX_MESSAGE_BYTES, format_address
 from tandem.spec.build import DraftConfig
@@ -35,6 +36,9 @@ class DraftServiceConfig:
     log_level: str = "INFO"
     tls: ServerTLS | None = None  # TLS (mTLS with require_client_cert) on the port; None = plain
     metrics_port: int | None = None  # Prometheus /metrics on this port; None = none
+    # Also serve Speculate streams on this Unix socket (tandem.local_stream), for a target on
+    # this host; None = gRPC only.
+    local_socket: str | None = None
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
@@ -46,6 +50,8 @@ class DraftServiceConfig:
             raise ValueError(f"max_message_bytes: must be >= {MIN_MESSAGE_BYTES}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")
+        if self.local_socket is not None:
+            check_path(self.local_socket)
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ValueError(f"log_level: {self.log_level!r} is not a logging level")
 

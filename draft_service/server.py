@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,6 +29,7 @@ import torch
 
 from draft_service.config import DraftServiceConfig
 from draft_service.engine import DraftEngine, DraftInfo
+from draft_service.local import LocalStreams
 from draft_service.observe import DraftMetrics, StreamSpans
 from tandem import __version__, security, wire
 from tandem.errors import InvalidRequest
@@ -232,6 +234,9 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         self.config = config
         self._stream_ids = itertools.count()
         self.metrics = DraftMetrics(engine.last_kv_usage)
+        # Random per process: GetInfo and the hello report it, so a target that reaches the
+        # local socket knows it is this service's.
+        self.instance_id = secrets.token_hex(8)
 
     async def _info(self, context: grpc.aio.ServicerContext) -> DraftInfo:
         if self.engine.info is None:
@@ -245,10 +250,21 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[draft_pb2.SpeculateResponse]:
         info = await self._info(context)
+        async for response in self.steps(info, request_iterator, context.peer()):
+            yield response
+
+    async def steps(
+        self,
+        info: DraftInfo,
+        request_iterator: AsyncIterator[draft_pb2.SpeculateRequest],
+        peer: str,
+    ) -> AsyncGenerator[draft_pb2.SpeculateResponse]:
+        """One Speculate stream, whatever carries it (gRPC, or ``draft_service.local``'s
+        socket): a response per request, in order. InvalidRequest ends the stream."""
         stream = next(self._stream_ids)
         session = _Session(info, self.config.max_spec)
         spans = StreamSpans()
-        logger.info("stream %d opened by %s", stream, context.peer())
+        logger.info("stream %d opened by %s", stream, peer)
         try:
             first = True
             async for request in request_iterator:
@@ -296,6 +312,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
             tensor_transports=[draft_pb2.TENSOR_TRANSPORT_INLINE],
             max_message_bytes=self.config.max_message_bytes,
             model_id=info.model_id,
+            instance_id=self.instance_id,
         )
 
     async def GetInfo(
@@ -317,6 +334,8 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
                 pages_used=kv.pages_used, pages_total=kv.pages_total, page_size=kv.page_size
             ),
             version=__version__,
+            local_socket=self.config.local_socket or "",
+            instance_id=self.instance_id,
         )
 
 
@@ -344,6 +363,7 @@ class DraftServer:
     health: Health
     engine: DraftEngine
     config: DraftServiceConfig
+    local: LocalStreams | None = None  # the local socket's server, when configured
 
     @property
     def address(self) -> str:
@@ -359,6 +379,12 @@ class DraftServer:
         """Health NOT_SERVING, drain open streams for ``grace`` seconds, close the engine."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.grace_s if grace is None else grace)
+        await self.close()
+
+    async def close(self) -> None:
+        """After the gRPC server has stopped: ends the local streams, closes the engine."""
+        if self.local is not None:
+            await self.local.stop()
         self.engine.close()
 
 
@@ -367,12 +393,23 @@ async def start(config: DraftServiceConfig) -> DraftServer:
     loaded yet, so health answers NOT_SERVING and Speculate/GetInfo UNAVAILABLE."""
     server = make_server(max_message_bytes=config.max_message_bytes)
     engine = DraftEngine(config.draft)
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServiceServicer(engine, config), server)
+    servicer = DraftServiceServicer(engine, config)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
     maybe_add_reflection(server, [SERVICE_NAME], config.reflection)
     credentials = None if config.tls is None else security.server_credentials(config.tls)
     port = bind(server, config.bind_address, credentials)
     await server.start()
-    started = DraftServer(server=server, port=port, health=health, engine=engine, config=config)
+    local = None
+    if config.local_socket is not None:
+        local = LocalStreams(servicer, config.local_socket, config.max_message_bytes)
+        try:
+            await local.start()
+        except BaseException:
+            await server.stop(None)
+            raise
+    started = DraftServer(
+        server=server, port=port, health=health, engine=engine, config=config, local=local
+    )
     logger.info("draft service listening on %s", started.address)
     return started

@@ -31,6 +31,14 @@ they are empty and admits carry no features (the draft drops them), so wait for
 ``wait_ready()`` before serving. The layers then stay fixed: a later connection whose draft
 needs other layers (or another hidden size) is refused and retried, leaving the state
 UNHEALTHY, rather than feeding it features it was not trained on.
+
+Local stream (``tandem.local_stream``): when GetInfo reports a local socket that this host can
+open (and the client has no TLS and ``local_stream`` is on), the stream runs there instead,
+and the engine thread writes each step and reads its answer itself: ``submit``, ``collect``,
+``in_flight`` and ``wait_sent`` work on the ``LocalLink`` directly, and only a step whose
+features are still being copied is handed to the client's loop, which sends it once the copy is
+done. Deadlines, late answers, the backlog, dropped requests and reconnecting behave as on the
+gRPC stream; a link that breaks reconnects through the same loop (local again when it can).
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import enum
+import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -52,7 +62,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 
 from tandem import transfer, wire
 from tandem.draft_stream import Outgoing, StreamState
-from tandem.errors import InvalidRequest
+from tandem.local_stream import Answer, LocalLink, parse_trees
 from tandem.security import ClientTLS, open_channel
 from tandem.serving import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from tandem.spec.base import Drafter
@@ -75,17 +85,9 @@ class DraftState(enum.IntEnum):
     UNHEALTHY = common_pb2.DRAFT_STATE_UNHEALTHY  # late, or gone and reconnecting
 
 
-@dataclass(frozen=True)
-class _Answer:
-    """A step's answer as the reader parsed it on arrival."""
-
-    trees: dict[str, Tree]
-    model_ns: int
-
-
 # Resolved by the reader with the answer (None when the stream broke), on the client's loop:
 # the engine thread waits on it directly (one wake-up, none when the answer is already in).
-_Waiter = concurrent.futures.Future[_Answer | None]
+_Waiter = concurrent.futures.Future[Answer | None]
 _Sent = tuple[int, _Waiter | None]
 
 
@@ -100,6 +102,9 @@ class _Submission:
     # While the client's loop still builds and writes the message (``submit`` does not wait
     # for it): what ``_send`` returns, (step_id, answer), once it is out.
     sending: concurrent.futures.Future[_Sent] | None = None
+    # Sent on a local stream: its answer is read from this link (``answer`` is unused).
+    link: LocalLink | None = None
+    wanted: bool = True  # local: whether the answer will be used (not behind a late one)
 
 
 class RemoteDrafter(Drafter):
@@ -120,6 +125,7 @@ class RemoteDrafter(Drafter):
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
         max_backlog: int = 8,
+        local_stream: bool = True,
     ) -> None:
         if deadline_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("deadline_s/connect_timeout_s: must be > 0")
@@ -131,16 +137,20 @@ class RemoteDrafter(Drafter):
         self.model_id = model_id
         self.tls = tls  # TLS (mTLS with a client certificate) to the draft; None = plain
         self.max_backlog = max_backlog
+        # Use the draft's local socket when it reports one this host can open (never with TLS:
+        # the socket has file permissions, not certificates).
+        self.local_stream = local_stream and tls is None
         self._backoff = wait_exponential_jitter(
             multiplier=backoff_initial_s, max=backoff_max_s, jitter=backoff_initial_s
         )
         # Counters, for metrics and tests.
         self.late_steps = 0  # steps whose answer missed the deadline
-        self.late_responses = 0  # answers discarded: late, or sent behind a late one
+        self._late_responses = 0  # gRPC stream: answers discarded
         self.fallback_steps = 0  # collects that returned no trees: late, backlogged or down
         self.connects = 0  # streams established
+        self.local_connects = 0  # of which local streams
         self.info: draft_pb2.DraftServiceGetInfoResponse | None = None
-        self.kv_usage = common_pb2.KvUsage()  # the draft's pool after its last answer
+        self._kv_usage = common_pb2.KvUsage()
         self._state = DraftState.CONNECTING
         self._healthy = threading.Event()
         self._dropped: list[str] = []
@@ -154,6 +164,10 @@ class RemoteDrafter(Drafter):
         self._order_lock = asyncio.Lock()  # messages built in submission order
         self._write_lock = asyncio.Lock()  # one write at a time on the stream
         self._stream = StreamState(budget=0, frame_bytes=0, hidden_dtype=torch.float32)
+        # The local stream, while it is up: set by the loop, used and given up by the engine.
+        self._local: LocalLink | None = None
+        # Local steps handed to the loop (features still copying); later ones queue behind.
+        self._deferred: list[concurrent.futures.Future[_Sent]] = []
         self._waiters: dict[int, _Waiter | None] = {}
         self._discard: set[int] = set()  # unanswered steps whose answers nobody waits for
         self._lanes: dict[int, _Submission | None] = {}  # engine thread: lane -> uncollected
@@ -169,6 +183,18 @@ class RemoteDrafter(Drafter):
     @property
     def state(self) -> DraftState:
         return self._state
+
+    @property
+    def kv_usage(self) -> common_pb2.KvUsage:
+        """The draft's pool after its last answer."""
+        link = self._local
+        return link.kv_usage if link is not None else self._kv_usage
+
+    @property
+    def late_responses(self) -> int:
+        """Answers discarded: late, or sent behind a late one (both streams)."""
+        link = self._local
+        return self._late_responses + (link.late_responses if link is not None else 0)
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Blocks until the stream is up (HEALTHY); False after ``timeout_s``."""
@@ -187,12 +213,19 @@ class RemoteDrafter(Drafter):
         if self._closed:
             raise RuntimeError("RemoteDrafter is closed")
         deadline = time.monotonic() + self.deadline_s
-        admits, outcomes, copied = self._features_to_host(admits, outcomes)
+        link = self._local
+        if link is not None:
+            self._lanes[lane] = self._submit_local(link, deadline, lane, admits, outcomes, released)
+            return
+        admits, outcomes, copied = self._features_to_host(admits, outcomes, self._stream)
         sending = self._submit(self._send(lane, admits, outcomes, list(released), copied))
         self._lanes[lane] = _Submission(0, deadline, None, sending)
 
     def _features_to_host(
-        self, admits: Sequence[DraftAdmit], outcomes: Sequence[VerifyOutcome]
+        self,
+        admits: Sequence[DraftAdmit],
+        outcomes: Sequence[VerifyOutcome],
+        stream: StreamState,
     ) -> tuple[list[DraftAdmit], list[VerifyOutcome], torch.cuda.Event | None]:
         """The step's features on the host in the draft's dtype, in one copy that the engine
         thread does not wait for (the event marks it done; the client's loop waits)."""
@@ -202,7 +235,7 @@ class RemoteDrafter(Drafter):
             return list(admits), list(outcomes), None
         host, copied = transfer.to_host(
             [x.features for x in staged],  # type: ignore[misc]
-            self._stream.hidden_dtype,
+            stream.hidden_dtype,
         )
         moved = {id(x): replace(x, features=h) for x, h in zip(staged, host, strict=True)}
         new = [moved.get(id(x), x) for x in items]
@@ -219,7 +252,10 @@ class RemoteDrafter(Drafter):
         except concurrent.futures.TimeoutError:
             logger.warning("draft step still sending after its deadline; decoding without it")
             step_id, answer = 0, None
-        sent = _Submission(step_id, submission.deadline, answer)
+        wanted = submission.wanted
+        if submission.link is not None:  # a local step the loop sent: answer says if wanted
+            wanted, answer = answer is not None, None
+        sent = _Submission(step_id, submission.deadline, answer, None, submission.link, wanted)
         if lane in self._lanes:
             self._lanes[lane] = sent
         return sent
@@ -229,6 +265,8 @@ class RemoteDrafter(Drafter):
         if submission is None:
             return {}
         submission = self._sent(lane, submission)
+        if submission.link is not None:
+            return self._collect_local(submission, submission.link)
         if submission.answer is None:
             self.fallback_steps += 1
             return {}
@@ -246,6 +284,104 @@ class RemoteDrafter(Drafter):
         self.model_ns += answer.model_ns
         return answer.trees
 
+    # -- engine thread: the local stream ---------------------------------------------------
+
+    def _submit_local(
+        self,
+        link: LocalLink,
+        deadline: float,
+        lane: int,
+        admits: Sequence[DraftAdmit],
+        outcomes: Sequence[VerifyOutcome],
+        released: Sequence[str],
+    ) -> _Submission:
+        """Sends the step from this thread, or hands it to the loop while its features are
+        still being copied (or an earlier step is still waiting for its copy there)."""
+        if link.broken is not None:
+            self._local_lost(link)
+            self._report_dropped([a.request_id for a in admits])
+            return _Submission(0, deadline, None)
+        link.drain()  # a late answer that has come in no longer holds this step back
+        admits, outcomes, copied = self._features_to_host(admits, outcomes, link.stream)
+        self._deferred = [f for f in self._deferred if not f.done()]
+        if (copied is None or copied.query()) and not self._deferred:
+            deadline_ns = int(self.deadline_s * 1e9)
+            step_id, wanted = link.send(lane, admits, outcomes, released, deadline_ns)
+            if not step_id:
+                self._local_lost(link)
+            return _Submission(step_id, deadline, None, link=link, wanted=wanted)
+        sending = self._submit(
+            self._send_local(link, lane, admits, outcomes, list(released), copied)
+        )
+        self._deferred.append(sending)
+        return _Submission(0, deadline, None, sending, link=link)
+
+    async def _send_local(
+        self,
+        link: LocalLink,
+        lane: int,
+        admits: list[DraftAdmit],
+        outcomes: list[VerifyOutcome],
+        released: list[str],
+        copied: torch.cuda.Event | None,
+    ) -> _Sent:
+        """A deferred local step, on the loop: sent once its copy is done, in order (the
+        order lock), as ``_send`` does. The second value only marks (not None) that the
+        answer is wanted: the engine thread reads it from the link."""
+        async with self._order_lock:
+            if copied is not None and not copied.query():
+                await self._loop.run_in_executor(None, copied.synchronize)
+            step_id, wanted = link.send(
+                lane, admits, outcomes, released, int(self.deadline_s * 1e9)
+            )
+        marker: _Waiter | None = concurrent.futures.Future() if wanted else None
+        return step_id, marker
+
+    def _collect_local(self, submission: _Submission, link: LocalLink) -> dict[str, Tree]:
+        answer = None
+        if submission.step_id and submission.wanted:
+            answer = link.wait(submission.step_id, submission.deadline)
+            if answer is None and link.broken is None:
+                self.late_steps += 1
+                link.late(submission.step_id)
+                self._set_state(DraftState.UNHEALTHY)
+        else:
+            link.drain()  # answers nobody waits for still clear the backlog
+        if link.broken is not None:
+            self._local_lost(link)
+        elif not link.backlogged and self._state is DraftState.UNHEALTHY:
+            self._set_state(DraftState.HEALTHY)
+        if answer is None:
+            self.fallback_steps += 1
+            return {}
+        self.model_ns += answer.model_ns
+        return answer.trees
+
+    def poll(self) -> None:
+        """Local stream (the gRPC stream's reader needs no help): reads what has arrived, so
+        a late answer is discarded, and a closed connection seen, while the engine idles."""
+        link = self._local
+        if link is None:
+            return
+        link.drain()
+        if link.broken is not None:
+            self._local_lost(link)
+        elif not link.backlogged and self._state is DraftState.UNHEALTHY:
+            self._set_state(DraftState.HEALTHY)
+
+    def _local_lost(self, link: LocalLink) -> None:
+        """A broken local link, seen once: its requests are dropped, the loop reconnects."""
+        with self._dropped_lock:
+            if self._local is not link:
+                return
+            self._local = None
+        logger.warning("local draft stream %s lost (%s); reconnecting", link.path, link.broken)
+        self._late_responses += link.late_responses
+        self._report_dropped(list(link.stream.tracked))
+        self._set_state(DraftState.UNHEALTHY)
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self._reconnect)
+
     def wait_sent(self, lane: int) -> None:
         submission = self._lanes.get(lane)
         if submission is not None:
@@ -259,6 +395,12 @@ class RemoteDrafter(Drafter):
             if not submission.sending.done():
                 return True
             submission = self._sent(lane, submission)
+        link = submission.link
+        if link is not None:
+            if not submission.step_id or not submission.wanted:
+                return False
+            link.drain()
+            return not link.has(submission.step_id) and link.broken is None
         return submission.answer is not None and not submission.answer.done()
 
     def step(
@@ -277,7 +419,8 @@ class RemoteDrafter(Drafter):
         return dropped
 
     def num_tracked(self) -> int:
-        return len(self._stream.tracked)
+        link = self._local
+        return len((link.stream if link is not None else self._stream).tracked)
 
     def close(self) -> None:
         """Ends the stream (the draft frees this client's requests) and stops the thread."""
@@ -347,18 +490,6 @@ class RemoteDrafter(Drafter):
             self._discard.add(step_id)
         self._set_state(DraftState.UNHEALTHY)
 
-    def _trees(self, response: draft_pb2.SpeculateResponse) -> dict[str, Tree]:
-        trees: dict[str, Tree] = {}
-        for i, msg in enumerate(response.trees):
-            try:
-                request_id, tree = wire.tree_from_proto(msg, path=f"trees[{i}]")
-            except InvalidRequest as exc:
-                logger.warning("draft sent a malformed tree: %s", exc)
-                continue
-            if request_id in self._stream.tracked:
-                trees[request_id] = tree
-        return trees
-
     # -- loop thread: the stream -----------------------------------------------------------
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
@@ -378,7 +509,7 @@ class RemoteDrafter(Drafter):
         dropped = list(response.dropped_request_ids)
         self._stream.forget(dropped)
         self._report_dropped(dropped)
-        self.kv_usage = response.kv_usage
+        self._kv_usage = response.kv_usage
         if response.step_id not in self._waiters:
             logger.warning("draft answered unknown step %d", response.step_id)
             return
@@ -388,9 +519,10 @@ class RemoteDrafter(Drafter):
         if not self._discard and self._state is DraftState.UNHEALTHY:
             self._set_state(DraftState.HEALTHY)  # before the counter: readers poll it
         if late:
-            self.late_responses += 1  # its step already gave up: discard the trees
+            self._late_responses += 1  # its step already gave up: discard the trees
         elif waiter is not None and not waiter.done():
-            waiter.set_result(_Answer(self._trees(response), response.model_ns))
+            answer = Answer(parse_trees(response, self._stream.tracked), response.model_ns)
+            waiter.set_result(answer)
 
     def _broken(self, reason: str) -> None:
         """Forgets the stream: every tracked request is dropped; reconnects in the background."""
@@ -436,39 +568,83 @@ class RemoteDrafter(Drafter):
                 draft_pb2.DraftServiceGetInfoRequest(), timeout=self.connect_timeout_s
             )
             layer_ids = self._check_info(info)
+            link = await self._open_local(info)
+            if link is not None:
+                await channel.close()
+                link.stream = self._stream_state(info, layer_ids, link.hello.max_message_bytes)
+                self._local = link  # before HEALTHY: a ready client sends on it
+                self.local_connects += 1
+                self._up(info, layer_ids)
+                logger.info("draft stream to %s up on its local socket %s", self.address, link.path)
+                return
             call = channel.stream_stream(
                 _SPECULATE,
                 request_serializer=_serialize,
                 response_deserializer=draft_pb2.SpeculateResponse.FromString,
             )()
-            hello = draft_pb2.SpeculateHello(
-                protocol_version=PROTOCOL_VERSION,
-                tensor_transports=[draft_pb2.TENSOR_TRANSPORT_INLINE],
-                max_message_bytes=self.max_message_bytes,
-                model_id=self.model_id,
-            )
-            await call.write(draft_pb2.SpeculateRequest(hello=hello))
+            await call.write(draft_pb2.SpeculateRequest(hello=self._hello()))
             first = await asyncio.wait_for(call.read(), self.connect_timeout_s)
             if first is grpc.aio.EOF or first.hello.protocol_version != PROTOCOL_VERSION:
                 raise ConnectionError(f"the draft's hello is missing or unsupported: {first}")
         except BaseException:
             await channel.close()
             raise
-        self.info = info
-        self.target_layer_ids = layer_ids
-        peer_max = min(
-            first.hello.max_message_bytes or self.max_message_bytes, self.max_message_bytes
-        )
-        self._stream = StreamState(
+        self._stream = self._stream_state(info, layer_ids, first.hello.max_message_bytes)
+        self._channel, self._call = channel, call
+        self._reader = self._loop.create_task(self._read(call))
+        self._up(info, layer_ids)
+        logger.info("draft stream to %s up (%s)", self.address, info.model_id or "ngram")
+
+    def _stream_state(
+        self,
+        info: draft_pb2.DraftServiceGetInfoResponse,
+        layer_ids: tuple[int, ...],
+        peer_max_bytes: int,
+    ) -> StreamState:
+        """A new stream's state, within both sides' message limits."""
+        peer_max = min(peer_max_bytes or self.max_message_bytes, self.max_message_bytes)
+        return StreamState(
             budget=peer_max - max(1024, peer_max // 16),
             frame_bytes=min(wire.MAX_FRAME_BYTES, peer_max // 4),
             hidden_dtype=wire.torch_dtype(info.hidden_dtype) if layer_ids else torch.float32,
         )
-        self._channel, self._call = channel, call
-        self._reader = self._loop.create_task(self._read(call))
+
+    def _up(self, info: draft_pb2.DraftServiceGetInfoResponse, layer_ids: tuple[int, ...]) -> None:
+        """A stream is up (its state installed): the draft's needs, HEALTHY."""
+        self.info = info
+        self.target_layer_ids = layer_ids
         self.connects += 1
         self._set_state(DraftState.HEALTHY)
-        logger.info("draft stream to %s up (%s)", self.address, info.model_id or "ngram")
+
+    async def _open_local(self, info: draft_pb2.DraftServiceGetInfoResponse) -> LocalLink | None:
+        """The draft's local stream, when it reports a socket this host can open; None (the
+        gRPC stream, then) when it does not or the socket fails."""
+        path = info.local_socket
+        if not (self.local_stream and path and info.instance_id and os.path.exists(path)):
+            return None
+        hello = self._hello()
+        connect = functools.partial(
+            LocalLink.connect,
+            path,
+            hello,
+            instance_id=info.instance_id,
+            timeout_s=self.connect_timeout_s,
+            max_backlog=self.max_backlog,
+            on_dropped=self._report_dropped,
+        )
+        try:
+            return await self._loop.run_in_executor(None, connect)
+        except (OSError, ConnectionError) as exc:
+            logger.warning("draft's local socket %s: %s; using the gRPC stream", path, exc)
+            return None
+
+    def _hello(self) -> draft_pb2.SpeculateHello:
+        return draft_pb2.SpeculateHello(
+            protocol_version=PROTOCOL_VERSION,
+            tensor_transports=[draft_pb2.TENSOR_TRANSPORT_INLINE],
+            max_message_bytes=self.max_message_bytes,
+            model_id=self.model_id,
+        )
 
     def _check_info(self, info: draft_pb2.DraftServiceGetInfoResponse) -> tuple[int, ...]:
         last = self.num_target_layers
@@ -507,6 +683,9 @@ class RemoteDrafter(Drafter):
             task.cancel()
         await self._teardown(self._call, self._channel, None)
         await asyncio.gather(*tasks, return_exceptions=True)
+        link, self._local = self._local, None
+        if link is not None:
+            link.close()
         self._call = self._channel = self._reader = None
         self._healthy.clear()
 

@@ -5,9 +5,11 @@ stops all three (SIGTERM first, so each drains; SIGKILL after the grace period).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ class Service:
 @dataclass
 class Stack:
     services: list[Service] = field(default_factory=list)
+    scratch: Path | None = None  # a private directory (the draft's local socket); removed at stop
 
     def start(
         self,
@@ -67,6 +70,8 @@ class Stack:
             except subprocess.TimeoutExpired:
                 svc.proc.kill()
                 svc.proc.wait()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def dead(self) -> list[Service]:
         return [s for s in self.services if s.proc is not None and s.proc.poll() is not None]
@@ -125,13 +130,23 @@ def build_stack(
     two_lane_batch: int = 16,
     extra_target_args: Sequence[str] = (),
     extra_gateway_args: Sequence[str] = (),
+    local_stream: bool = False,
 ) -> Stack:
+    """The three services on loopback ports. With ``local_stream`` the draft also serves a
+    Unix socket in a private directory (``Stack.scratch``), which the target then takes for
+    its Speculate stream (``tandem.local_stream``; the benchmark's stacks do). Off by default:
+    ``tandem serve`` runs what compose's cpu profile runs, where the services share no
+    directory."""
     common = ["--device", device, "--dtype", dtype, "--page-size", str(page_size)]
     services = []
+    scratch = None
     speculate = draft is not None or draft_kind is not None
     if speculate:
         kind = draft_kind or "eagle3"
         draft_args = ["--target", str(target), "--draft-kind", kind, "--mtp-mode", mtp_mode]
+        if local_stream:
+            scratch = Path(tempfile.mkdtemp(prefix="tandem-"))  # mode 0700
+            draft_args += ["--local-socket", str(scratch / "draft.sock")]
         if draft is not None:
             draft_args += ["--draft", str(draft)]
         services.append(
@@ -174,4 +189,4 @@ def build_stack(
             gateway_port,
         )
     )
-    return Stack(services)
+    return Stack(services, scratch)

@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-deadline", type=float, default=float(env("TANDEM_TARGET_DRAFT_DEADLINE", "0.5"))
     )
     p.add_argument(
+        "--draft-local-stream",
+        action=argparse.BooleanOptionalAction,
+        default=env("TANDEM_TARGET_DRAFT_LOCAL_STREAM", True),
+        help="when the draft reports a local socket this host can open, run the Speculate "
+        "stream there instead of over gRPC (never with draft TLS; default: on)",
+    )
+    p.add_argument(
         "--admission-window",
         type=float,
         default=float(env("TANDEM_TARGET_ADMISSION_WINDOW", "0.008")),
@@ -168,6 +175,7 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
         draft_kind=a.draft_kind,
         spec=spec,
         draft_deadline_s=a.draft_deadline,
+        draft_local_stream=a.draft_local_stream,
         admission_window_s=a.admission_window,
         reflection=a.reflection,
         grace_s=a.grace,
@@ -192,6 +200,7 @@ async def main(config: TargetServiceConfig) -> None:
             num_target_layers=layers,
             deadline_s=config.draft_deadline_s,
             tls=config.draft_tls,
+            local_stream=config.draft_local_stream,
         )
     engine = await asyncio.to_thread(
         _on_device, config.engine.device, Engine, config.engine, drafter=drafter, spec=config.spec

@@ -21,6 +21,7 @@ class TargetServiceConfig:
     draft_kind: str | None = None  # reported to clients; the draft service decides
     spec: SpecConfig | None = None  # S, K, N when a draft is configured
     draft_deadline_s: float = 0.5  # a step's trees must arrive within this, else K=0 that step
+    draft_local_stream: bool = True  # use the draft's local socket when it reports one (no TLS)
     status_interval_s: float = 0.25  # TargetStatus to the gateway at most this often
     # An idle engine's first admit waits up to this long for the rest of its burst (stopping
     # once none came for a quarter of it), so prompts arriving together prefill together.

@@ -16,6 +16,7 @@ MODES = (
     "k0",
     "services",
     "services-control",
+    "services-grpc",
     "hf-generate",
     "hf-assisted",
 )

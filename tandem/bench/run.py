@@ -27,7 +27,7 @@ from tandem.spec.types import SpecConfig
 
 logger = logging.getLogger(__name__)
 
-ALL_MODES = ("target-only", "target-sync", "spec", "k0", "services", "hf")
+ALL_MODES = ("target-only", "target-sync", "spec", "k0", "services", "services-grpc", "hf")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,9 +114,11 @@ def run_bench(
         rows += _in_process(config, say)
     if "services" in config.modes and speculative:
         rows += _services(config, model_config, say)
+    if "services-grpc" in config.modes and speculative:
+        rows += _services(config, model_config, say, local_stream=False)
     if "hf" in config.modes:
         rows += _transformers(config, say)
-    if not speculative and {"spec", "services"} & set(config.modes):
+    if not speculative and {"spec", "services", "services-grpc"} & set(config.modes):
         rows.append(Row(mode="spec", batch_size=0, note="skipped: no draft (--draft)"))
     for row in rows:
         if row.batch_size:
@@ -210,11 +212,22 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
     return rows
 
 
-def _services(config: BenchConfig, mc: ModelConfig, say: Callable[[str], None]) -> list[Row]:
+def _services(
+    config: BenchConfig,
+    mc: ModelConfig,
+    say: Callable[[str], None],
+    *,
+    local_stream: bool = True,
+) -> list[Row]:
+    """Rows through a started stack: ``services`` and ``services-control`` with the draft's
+    local stream (``tandem.local_stream``), or ``services-grpc`` (gateway only) without it."""
     assert config.draft is not None
+    mode = "services" if local_stream else "services-grpc"
     with tempfile.TemporaryDirectory() as tmp:
         log_dir = config.log_dir or Path(tmp)
-        say(f"starting draft, target and gateway services (logs: {log_dir})")
+        if not local_stream:
+            log_dir = log_dir / "grpc"
+        say(f"starting draft, target and gateway services, {mode} (logs: {log_dir})")
         probe = None
         if config.profile_idle:  # one directory per batch size and row under log_dir/profiles
             probe = plan_probe(
@@ -235,12 +248,13 @@ def _services(config: BenchConfig, mc: ModelConfig, say: Callable[[str], None]) 
             log_dir=log_dir,
             draft_device=config.draft_device,
             probe=probe,
+            local_stream=local_stream,
         )
         rows = []
         try:
             gateway, target = services.port_of(stack, "gateway"), services.port_of(stack, "target")
             for bs in config.batch_sizes:
-                say(f"services bs={bs}")
+                say(f"{mode} bs={bs}")
                 rows.append(
                     services.through_gateway(
                         gateway,
@@ -250,9 +264,12 @@ def _services(config: BenchConfig, mc: ModelConfig, say: Callable[[str], None]) 
                         probe,
                         positions=config.spec_steps,
                         log_dir=log_dir,
+                        mode=mode,
                     )
                 )
                 say(_done(rows[-1]))
+                if not local_stream:
+                    continue
                 rows.append(
                     services.through_control(
                         target,

@@ -61,6 +61,7 @@ def start_stack(
     spec_policy: str = "fixed",
     draft_device: str | None = None,
     probe: IdleProbe | None = None,
+    local_stream: bool = True,
 ) -> Stack:
     stack = build_stack(
         target=target,
@@ -76,6 +77,7 @@ def start_stack(
         draft_port=free_port(),
         draft_deadline_s=30.0,  # measure the pipeline, never its fallback
         two_lane_batch=two_lane_batch,
+        local_stream=local_stream,
         extra_target_args=[
             *("--num-pages", str(num_pages), "--max-num-seqs", str(max_batch)),
             *("--spec-policy", spec_policy),
@@ -113,6 +115,7 @@ def through_gateway(
     *,
     positions: int = 0,
     log_dir: Path | None = None,
+    mode: str = "services",
 ) -> Row:
     """``batch_size`` Generate streams a round. With ``log_dir`` (the stack's), the target's
     steps during the measured rounds fill the cycle columns and ``steps-bsN-gateway.jsonl``."""
@@ -130,10 +133,10 @@ def through_gateway(
                 rounds.append(await _gateway_round(stub, batch, w, True))
                 windows.append((start, time.monotonic_ns()))
             if probe is not None:
-                out_dir = probe.arm(f"bs{batch_size}-services")
+                out_dir = probe.arm(f"bs{batch_size}-{mode}")
                 batch = prompts(vocab, batch_size, w.prompt_len, 98)
                 await _gateway_round(stub, batch, replace(w, new_tokens=probe.new_tokens), True)
-        row = Row(mode="services", batch_size=batch_size, num_requests=batch_size * w.rounds)
+        row = Row(mode=mode, batch_size=batch_size, num_requests=batch_size * w.rounds)
         if probe is not None:
             probe.collect(out_dir, row)
         tpots, ttfts, accepted, verify_steps = [], [], 0, 0

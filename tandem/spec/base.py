@@ -63,6 +63,11 @@ class Drafter(ABC):
         GIL while the engine thread finishes the step."""
         return None
 
+    def poll(self) -> None:
+        """Handles what a remote draft has sent meanwhile without waiting (late answers, a
+        closed connection); the engine calls it when idle. Most drafters have nothing to do."""
+        return None
+
     def _answers(self) -> dict[int, dict[str, Tree]]:
         # Created on first use, so subclasses need not call an __init__ of this ABC.
         answers: dict[int, dict[str, Tree]] = vars(self).setdefault("_lane_answers", {})

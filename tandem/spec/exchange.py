@@ -142,6 +142,7 @@ class DraftExchange:
         if released:
             self.drafter.submit(lane, [], [], released)
             self.drafter.collect(lane)
+        self.drafter.poll()
 
     def submit(
         self,

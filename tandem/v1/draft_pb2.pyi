@@ -20,16 +20,18 @@ TENSOR_TRANSPORT_SHM: TensorTransport
 TENSOR_TRANSPORT_CUDA_IPC: TensorTransport
 
 class SpeculateHello(_message.Message):
-    __slots__ = ("protocol_version", "tensor_transports", "max_message_bytes", "model_id")
+    __slots__ = ("protocol_version", "tensor_transports", "max_message_bytes", "model_id", "instance_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     tensor_transports: _containers.RepeatedScalarFieldContainer[TensorTransport]
     max_message_bytes: int
     model_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., tensor_transports: _Optional[_Iterable[_Union[TensorTransport, str]]] = ..., max_message_bytes: _Optional[int] = ..., model_id: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., tensor_transports: _Optional[_Iterable[_Union[TensorTransport, str]]] = ..., max_message_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("hello", "step_id", "lane_id", "speculation", "deadline_ns", "outcomes", "new_requests", "prompt_frames", "released_request_ids")
@@ -136,7 +138,7 @@ class DraftServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftServiceGetInfoResponse(_message.Message):
-    __slots__ = ("draft_kind", "model_id", "target_model_id", "vocab_size", "target_vocab_size", "target_layer_ids", "hidden_size", "hidden_dtype", "speculation", "tensor_transports", "kv_usage", "version")
+    __slots__ = ("draft_kind", "model_id", "target_model_id", "vocab_size", "target_vocab_size", "target_layer_ids", "hidden_size", "hidden_dtype", "speculation", "tensor_transports", "kv_usage", "version", "local_socket", "instance_id")
     DRAFT_KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +151,8 @@ class DraftServiceGetInfoResponse(_message.Message):
     TENSOR_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     draft_kind: _common_pb2.DraftKind
     model_id: str
     target_model_id: str
@@ -161,4 +165,6 @@ class DraftServiceGetInfoResponse(_message.Message):
     tensor_transports: _containers.RepeatedScalarFieldContainer[TensorTransport]
     kv_usage: _common_pb2.KvUsage
     version: str
-    def __init__(self, draft_kind: _Optional[_Union[_common_pb2.DraftKind, str]] = ..., model_id: _Optional[str] = ..., target_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., tensor_transports: _Optional[_Iterable[_Union[TensorTransport, str]]] = ..., kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
+    local_socket: str
+    instance_id: str
+    def __init__(self, draft_kind: _Optional[_Union[_common_pb2.DraftKind, str]] = ..., model_id: _Optional[str] = ..., target_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., tensor_transports: _Optional[_Iterable[_Union[TensorTransport, str]]] = ..., kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., version: _Optional[str] = ..., local_socket: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...

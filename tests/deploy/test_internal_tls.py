@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -33,8 +34,13 @@ def mtls(pki: PKI) -> ServerTLS:
     )
 
 
-def test_remote_drafter_over_mtls(pki: PKI, ckpts: Ckpts) -> None:  # noqa: F811
-    server = ServerThread(DraftServiceConfig(draft=ckpts.draft_config(), tls=mtls(pki)))
+def test_remote_drafter_over_mtls(pki: PKI, ckpts: Ckpts, tmp_path: Path) -> None:  # noqa: F811
+    # The draft also serves a local socket: a client with TLS settings never takes it (its
+    # file permissions are not certificates), and one without still needs the TLS port first.
+    config = DraftServiceConfig(
+        draft=ckpts.draft_config(), tls=mtls(pki), local_socket=str(tmp_path / "draft.sock")
+    )
+    server = ServerThread(config)
     right = ClientTLS(ca=pki.ca.cert, cert=pki.client.cert, key=pki.client.key)
     wrong = [
         ClientTLS(ca=pki.ca.cert),  # no client certificate
@@ -45,6 +51,7 @@ def test_remote_drafter_over_mtls(pki: PKI, ckpts: Ckpts) -> None:  # noqa: F811
         good = RemoteDrafter(server.address, num_target_layers=LAYERS, tls=right, deadline_s=10)
         try:
             assert good.wait_ready(20), "the right certificate did not connect"
+            assert good.local_connects == 0 and not good.local_stream
             feed = Feed(7)
             trees = good.step([feed.admit("a", 6)], [], [])
             assert set(trees) == {"a"} and len(trees["a"]) == SPEC.tree_size

@@ -69,6 +69,7 @@ class ServerThread:
     """A draft server on its own event loop thread, as a separate process would have."""
 
     def __init__(self, config: DraftServiceConfig, *, load: bool = True) -> None:
+        self.local = config.local_socket is not None  # also serves the local stream
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -93,16 +94,36 @@ def _serve(ckpts: Ckpts, port: int = 0, **kw: Any) -> ServerThread:
     return ServerThread(DraftServiceConfig(draft=ckpts.draft_config(), port=port, **kw))
 
 
-@pytest.fixture(scope="module")
-def server(ckpts: Ckpts) -> Iterator[ServerThread]:
-    s = _serve(ckpts)
+def _socket(tmp: Path, transport: str) -> str | None:
+    """Where the draft serves its local stream: None for the gRPC stream only."""
+    return str(tmp / "draft.sock") if transport == "local" else None
+
+
+# The RemoteDrafter tests run over both streams: gRPC, and the local socket the client takes
+# when the draft reports one (tandem.local_stream).
+TRANSPORTS = ["grpc", "local"]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def server(
+    ckpts: Ckpts, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerThread]:
+    s = _serve(ckpts, local_socket=_socket(tmp_path_factory.mktemp("sock"), request.param))
     yield s
     s.stop()
 
 
-def _remote(address: str, **kw: Any) -> RemoteDrafter:
-    remote = RemoteDrafter(address, num_target_layers=LAYERS, backoff_max_s=0.2, **kw)
+def _remote(server: ServerThread, **kw: Any) -> RemoteDrafter:
+    """A client of ``server``, on its local stream when it serves one."""
+    remote = RemoteDrafter(server.address, num_target_layers=LAYERS, backoff_max_s=0.2, **kw)
     assert remote.wait_ready(20), "draft stream did not come up"
+    assert remote.local_connects == (1 if server.local else 0)
+    return remote
+
+
+def _polled(remote: RemoteDrafter) -> RemoteDrafter:
+    """``remote`` once it has read what arrived, as the engine's idle loop has it do."""
+    remote.poll()
     return remote
 
 
@@ -195,7 +216,7 @@ def test_stream_without_hello_is_invalid(server: ServerThread) -> None:
 
 
 def test_trees_equal_in_process(server: ServerThread, ckpts: Ckpts) -> None:
-    local, remote = ckpts.local(), _remote(server.address)
+    local, remote = ckpts.local(), _remote(server)
     feed = Feed(1)
     try:
         steps: list[tuple[list[DraftAdmit], list[str]]] = [
@@ -242,7 +263,7 @@ def test_a_step_waiting_for_its_copy_keeps_its_place(
     monkeypatch.setattr(
         transfer, "to_host", lambda tensors, dtype: ([t.to(dtype) for t in tensors], copying)
     )
-    remote = _remote(server.address)
+    remote = _remote(server)
     try:
         remote.submit(0, [Feed(5).admit("a", 9)], [], [])
         remote.submit(1, [], [], ["a"])  # no features: nothing to wait for
@@ -257,14 +278,16 @@ def test_a_step_waiting_for_its_copy_keeps_its_place(
 
 
 def test_deadline_miss_discards_late_answer(server: ServerThread, ckpts: Ckpts) -> None:
-    local, remote = ckpts.local(), _remote(server.address, deadline_s=1e-6)
+    local, remote = ckpts.local(), _remote(server, deadline_s=1e-6)
     feed = Feed(2)
     try:
         admit = feed.admit("a", 9)
         tree = local.step([admit], [], [])["a"]
         assert remote.step([admit], [], []) == {}
         assert remote.late_steps == 1 and remote.state is DraftState.UNHEALTHY
-        _wait(lambda: remote.late_responses == 1)
+        # gRPC: the client's reader discards the late answer on arrival; local stream: the
+        # engine thread does, when it polls (idle) or steps.
+        _wait(lambda: _polled(remote).late_responses == 1)
         assert remote.state is DraftState.HEALTHY
         remote.deadline_s = 10.0
         outcome = [feed.outcome("a", None)]  # the step ran without a tree: K=0
@@ -274,9 +297,10 @@ def test_deadline_miss_discards_late_answer(server: ServerThread, ckpts: Ckpts) 
         remote.close()
 
 
-def test_prompt_frames_span_messages(ckpts: Ckpts) -> None:
-    s = _serve(ckpts, max_message_bytes=64 * 1024)
-    local, remote = ckpts.local(), _remote(s.address)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prompt_frames_span_messages(ckpts: Ckpts, transport: str, tmp_path: Path) -> None:
+    s = _serve(ckpts, max_message_bytes=64 * 1024, local_socket=_socket(tmp_path, transport))
+    local, remote = ckpts.local(), _remote(s)
     feed = Feed(3)
     try:
         a, b = feed.admit("a", 120), feed.admit("b", 100)  # 89 KiB and 74 KiB of features
@@ -306,21 +330,24 @@ def _merged(admit: DraftAdmit, outcomes: list[VerifyOutcome]) -> DraftAdmit:
     )
 
 
-def test_outage_drops_and_reconnects(ckpts: Ckpts) -> None:
-    s = _serve(ckpts)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_outage_drops_and_reconnects(ckpts: Ckpts, transport: str, tmp_path: Path) -> None:
+    sock = _socket(tmp_path, transport)
+    s = _serve(ckpts, local_socket=sock)
     port = s.server.port
-    remote = _remote(s.address)
+    remote = _remote(s)
     feed = Feed(4)
     try:
         assert set(remote.step([feed.admit("a", 5), feed.admit("b", 8)], [], [])) == {"a", "b"}
         s.stop()
-        _wait(lambda: remote.state is DraftState.UNHEALTHY)
+        _wait(lambda: _polled(remote).state is DraftState.UNHEALTHY)
         assert sorted(remote.take_dropped()) == ["a", "b"]
         assert remote.num_tracked() == 0
         assert remote.step([feed.admit("c", 5)], [], []) == {}  # down: no wait, no trees
         assert remote.take_dropped() == ["c"]
-        s = _serve(ckpts, port=port)  # the same address again
+        s = _serve(ckpts, port=port, local_socket=sock)  # the same addresses again
         assert remote.wait_ready(20) and remote.state is DraftState.HEALTHY
+        assert remote.local_connects == (2 if s.local else 0)
         trees = remote.step([feed.admit("d", 6)], [], [])
         assert set(trees) == {"d"} and len(trees["d"]) > 1
         assert remote.connects == 2
@@ -334,7 +361,7 @@ def test_engine_with_remote_drafter_equals_target_only(server: ServerThread, ckp
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     config = EngineConfig(model=ckpts.target, page_size=4)
     reference = [r.token_ids for r in Engine(config).generate(prompts, params)]
-    remote = _remote(server.address, deadline_s=10.0)
+    remote = _remote(server, deadline_s=10.0)
     try:
         engine = Engine(config, drafter=remote, spec=SPEC)
         assert remote.target_layer_ids != ()  # the engine captures what GetInfo named
@@ -356,7 +383,7 @@ def test_two_lanes_overlap_draft_and_verify(server: ServerThread, ckpts: Ckpts) 
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     config = EngineConfig(model=ckpts.target, page_size=4)
     reference = [r.token_ids for r in Engine(config).generate(prompts, params)]
-    remote = _remote(server.address, deadline_s=10.0)
+    remote = _remote(server, deadline_s=10.0)
     try:
         engine = Engine(config, drafter=remote, spec=SPEC)
         ids = [engine.add_request(p, params, lane=i % 2) for i, p in enumerate(prompts)]

@@ -70,7 +70,7 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
     monkeypatch.setattr(hold, "HELD_BYTES", 64 << 10)  # part flushed during the stretch
     monkeypatch.setattr(hold, "HELD_MAX_BYTES", 64 << 10)
     prompts, params, config, reference = workload(ckpts, Feed(9), (2, 7, 12, 5, 16), 104)
-    remote = _remote(server.address, deadline_s=10.0)
+    remote = _remote(server, deadline_s=10.0)
     try:
         engine = Engine(config, drafter=remote, spec=SPEC)
         # Short switches (answers in flight when K=0 starts) and one long stretch.
@@ -104,7 +104,7 @@ def test_k0_holds_features_for_a_draft_service_as_in_process(
     from tandem.spec import hold
 
     prompts, params, config, reference = workload(ckpts, Feed(3), (6, 11, 4), 40)
-    remote = _remote(server.address, deadline_s=10.0)
+    remote = _remote(server, deadline_s=10.0)
     try:
         engine = Engine(config, drafter=remote, spec=SPEC)
         engine.policy = Scripted([False])
@@ -157,7 +157,7 @@ def test_new_prompts_decode_plainly_while_the_draft_takes_them_in(
 
     monkeypatch.setattr(exchange, "INGEST_BYTES", 1)
     prompts, params, config, reference = workload(ckpts, Feed(4), (5, 13, 8), 32)
-    remote = _remote(server.address, deadline_s=10.0)
+    remote = _remote(server, deadline_s=10.0)
     gate = threading.Event()
     try:
         engine = Engine(config, drafter=remote, spec=SPEC)

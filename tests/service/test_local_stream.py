@@ -1,0 +1,191 @@
+"""The local stream (``tandem.local_stream``, ``draft_service.local``) on its own: framing,
+the socket's life (private mode, stale and live sockets), what the draft does with a bad
+connection, and when a client takes it. Steps through it run in test_draft_service.py, where
+every RemoteDrafter test runs over both streams."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_service.__main__ import parse_config
+from draft_service.config import DraftServiceConfig
+from tandem import wire
+from tandem.draft_client import RemoteDrafter
+from tandem.draft_stream import StreamState
+from tandem.local_stream import HEADER, FrameBuffer, LocalLink, check_path, encode
+from tandem.v1 import draft_pb2
+from tests.service.test_draft_service import (
+    LAYERS,
+    SPEC,
+    Ckpts,
+    Feed,
+    ServerThread,
+    _serve,
+    _wait,
+    ckpts,  # noqa: F401 (a fixture)
+)
+
+
+def _hello() -> draft_pb2.SpeculateHello:
+    return draft_pb2.SpeculateHello(protocol_version=1, max_message_bytes=1 << 20)
+
+
+def _connect(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(20)
+    sock.connect(path)
+    return sock
+
+
+def _read_frame(sock: socket.socket) -> bytes | None:
+    """One frame's payload; None when the draft closed the connection."""
+    buffer = FrameBuffer(1 << 20)
+    while (payload := buffer.pop()) is None:
+        data = sock.recv(1 << 16)
+        if not data:
+            return None
+        buffer.feed(data)
+    return payload
+
+
+@pytest.fixture
+def served(ckpts: Ckpts, tmp_path: Path) -> Iterator[ServerThread]:  # noqa: F811
+    s = _serve(ckpts, local_socket=str(tmp_path / "draft.sock"))
+    yield s
+    s.stop()
+
+
+def test_frames_reassemble_in_any_split_and_cap_their_size() -> None:
+    messages = [draft_pb2.SpeculateRequest(step_id=i, lane_id=i % 2) for i in range(1, 4)]
+    stream = b"".join(encode(m) for m in messages)
+    for split in (1, 3, 8, 9, len(stream)):
+        buffer, got = FrameBuffer(1 << 10), []
+        for i in range(0, len(stream), split):
+            buffer.feed(stream[i : i + split])
+            while (payload := buffer.pop()) is not None:
+                got.append(draft_pb2.SpeculateRequest.FromString(payload))
+        assert got == messages
+    buffer = FrameBuffer(16)
+    buffer.feed(HEADER.pack(17))
+    with pytest.raises(ConnectionError, match="exceeds the 16"):
+        buffer.pop()
+
+
+def test_socket_paths_are_checked() -> None:
+    assert check_path("/tmp/d.sock") == "/tmp/d.sock"
+    with pytest.raises(ValueError, match="longer than 107"):
+        check_path("/" + "x" * 107)
+    with pytest.raises(ValueError, match="empty"):
+        check_path("")
+    config = parse_config(["--target", "t", "--draft-kind", "ngram", "--local-socket", "/s"])
+    assert config.local_socket == "/s"
+    assert parse_config(["--target", "t", "--draft-kind", "ngram"]).local_socket is None
+
+
+def test_socket_is_private_and_reported(served: ServerThread) -> None:
+    path = served.server.config.local_socket
+    assert path is not None
+    mode = os.stat(path).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    remote = RemoteDrafter(served.address, num_target_layers=LAYERS)
+    try:
+        assert remote.wait_ready(20)
+        assert remote.info is not None and remote.info.local_socket == path
+        assert remote.info.instance_id == served.server.local.servicer.instance_id  # type: ignore[union-attr]
+        assert remote.local_connects == 1
+    finally:
+        remote.close()
+    served.stop()
+    assert not os.path.exists(path)  # removed at stop
+    served.stop = lambda: None  # type: ignore[method-assign]
+
+
+def test_stale_socket_is_replaced_live_one_and_files_refused(
+    ckpts: Ckpts,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(stale))  # bound, never listening: what a killed process leaves
+    s = _serve(ckpts, local_socket=str(stale))
+    try:
+        sock = _connect(str(stale))  # the new draft serves it
+        sock.close()
+        with pytest.raises(FileExistsError, match="in use"):
+            _serve(ckpts, local_socket=str(stale))
+    finally:
+        s.stop()
+    regular = tmp_path / "file"
+    regular.write_text("not a socket")
+    with pytest.raises(FileExistsError, match="not a socket"):
+        _serve(ckpts, local_socket=str(regular))
+    assert regular.read_text() == "not a socket"
+
+
+def test_bad_connections_end_and_release_their_requests(served: ServerThread) -> None:
+    path = str(served.server.config.local_socket)
+    # No hello first: the draft ends the connection.
+    with _connect(path) as sock:
+        sock.sendall(encode(draft_pb2.SpeculateRequest(step_id=1)))
+        assert _read_frame(sock) is None
+    # A frame over the draft's cap: ended before the draft reads it.
+    with _connect(path) as sock:
+        sock.sendall(struct.pack("<Q", served.server.config.max_message_bytes + 1))
+        assert _read_frame(sock) is None
+    # A good stream that admits a request and then goes away: the request is released.
+    with _connect(path) as sock:
+        sock.sendall(encode(draft_pb2.SpeculateRequest(hello=_hello())))
+        first = draft_pb2.SpeculateResponse.FromString(_read_frame(sock) or b"")
+        assert first.hello.instance_id == served.server.local.servicer.instance_id  # type: ignore[union-attr]
+        request = draft_pb2.SpeculateRequest(step_id=1, speculation=wire.spec_to_proto(SPEC))
+        state = StreamState(budget=1 << 20, frame_bytes=1 << 18, hidden_dtype=torch.float32)
+        sock.sendall(encode(state.build(request, [Feed(7).admit("a", 6)], [], [])))
+        answer = draft_pb2.SpeculateResponse.FromString(_read_frame(sock) or b"")
+        assert answer.step_id == 1 and [t.request_id for t in answer.trees] == ["a"]
+        assert served.num_tracked() == 1
+    _wait(lambda: served.num_tracked() == 0)
+
+
+def test_clients_that_do_not_take_it(served: ServerThread) -> None:
+    path = str(served.server.config.local_socket)
+    # The socket belongs to another draft than the one GetInfo described: refused.
+    with pytest.raises(ConnectionError, match="not the other"):
+        LocalLink.connect(
+            path,
+            _hello(),
+            instance_id="other",
+            timeout_s=20,
+            max_backlog=8,
+            on_dropped=lambda ids: None,
+        )
+    # Turned off: the gRPC stream.
+    remote = RemoteDrafter(served.address, num_target_layers=LAYERS, local_stream=False)
+    try:
+        assert remote.wait_ready(20) and remote.local_connects == 0 and remote.connects == 1
+        assert remote.step([Feed(8).admit("a", 5)], [], []) != {}
+    finally:
+        remote.close()
+    # (With TLS settings a client never takes it: tests/deploy/test_internal_tls.py.)
+
+
+def test_unreachable_socket_falls_back_to_grpc(ckpts: Ckpts, tmp_path: Path) -> None:  # noqa: F811
+    config = DraftServiceConfig(draft=ckpts.draft_config(), local_socket=str(tmp_path / "d.sock"))
+    s = ServerThread(config)
+    try:
+        os.unlink(str(tmp_path / "d.sock"))  # as on another host: the path is not there
+        remote = RemoteDrafter(s.address, num_target_layers=LAYERS)
+        try:
+            assert remote.wait_ready(20) and remote.local_connects == 0
+            assert remote.step([Feed(9).admit("a", 5)], [], []) != {}
+        finally:
+            remote.close()
+    finally:
+        s.stop()
