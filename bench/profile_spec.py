@@ -39,6 +39,7 @@ from tandem.bench.presets import PRESETS
 from tandem.demo import free_port
 from tandem.draft_client import RemoteDrafter
 from tandem.launch import Stack, build_stack
+from tandem.local_stream import LocalLink
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 from tandem.spec.types import SpecConfig
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         "--local-stream",
         action="store_true",
         help="with --draft-service: the Speculate stream on the draft's local socket "
-        "(tandem.local_stream); the cycle split below is the gRPC stream's only",
+        "(tandem.local_stream)",
     )
     p.add_argument(
         "--trace",
@@ -174,12 +175,13 @@ class RemoteTimeline:
             self._t["written"] = time.perf_counter_ns()
             return out
 
-        def timed_on_response(response: Any) -> None:
+        def timed_on_response(response: Any, forward: bool = True) -> None:
             self._t["answer"] = time.perf_counter_ns()
             self._t["draft_total"] = response.total_ns
             self._t["draft_step"] = response.draft_ns
             self._t["draft_model"] = response.model_ns
-            on_response(response)
+            if forward:
+                on_response(response)
 
         def timed_collect(lane: int) -> Any:
             self._t["collect"] = time.perf_counter_ns()
@@ -191,6 +193,22 @@ class RemoteTimeline:
         remote._send = timed_send  # type: ignore[method-assign]
         remote._on_response = timed_on_response  # type: ignore[method-assign]
         remote.collect = timed_collect  # type: ignore[method-assign]
+        # The local stream: the link's send is the build + write, its _handle the arrival.
+        link_send, link_handle = LocalLink.send, LocalLink._handle
+
+        def timed_link_send(link: LocalLink, *a: Any) -> Any:
+            self._t["send"] = time.perf_counter_ns()
+            out = link_send(link, *a)
+            self._t["written"] = time.perf_counter_ns()
+            return out
+
+        def timed_link_handle(link: LocalLink, response: Any) -> None:
+            if not response.HasField("hello"):
+                timed_on_response(response, forward=False)
+            link_handle(link, response)
+
+        LocalLink.send = timed_link_send  # type: ignore[method-assign]
+        LocalLink._handle = timed_link_handle  # type: ignore[method-assign]
 
     def _record(self, collected: int) -> None:
         t = self._t
@@ -198,7 +216,7 @@ class RemoteTimeline:
             return  # nothing went out, or no answer (K=0, late)
         for name, ns in (
             ("submit (engine thread)", t["submitted"] - t["submit"]),
-            ("hand-off to the client loop", t["send"] - t["submit"]),
+            ("hand-off to the sender", t["send"] - t["submit"]),
             ("build + write the message", t["written"] - t["send"]),
             ("written -> answer, less the draft's", t["answer"] - t["written"] - t["draft_total"]),
             ("draft service, receipt to answer", t["draft_total"]),

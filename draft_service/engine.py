@@ -15,12 +15,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
 
+from draft_service.worker import Worker
 from tandem import profiling, transfer
 from tandem.config import DTYPES
 from tandem.models.config import ModelConfig
@@ -77,12 +78,10 @@ class DraftEngine:
     def __init__(self, config: DraftConfig) -> None:
         self.config = config
         self.dtype = DTYPES[config.dtype]
-        self._executor = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="draft-engine",
-            initializer=transfer.bind_thread,
-            initargs=(config.device,),
-        )
+        # The one thread every drafter call runs on; it also serves local streams' sockets
+        # (``draft_service.local``), whose steps run there through ``step_here``.
+        self.worker = Worker("draft-engine", transfer.bind_thread, (config.device,))
+        self._executor = self.worker
         self._drafter: Drafter | None = None
         self.info: DraftInfo | None = None  # set once loaded and warmed up
         self._tracked: dict[int, set[str]] = {}  # stream -> its request ids in the drafter
@@ -117,6 +116,17 @@ class DraftEngine:
     ) -> StepResult:
         """One `Drafter.step` for ``stream``'s requests (ids as the stream names them)."""
         return await self._run(self._step, stream, admits, outcomes, released)
+
+    def step_here(
+        self,
+        stream: int,
+        admits: Sequence[DraftAdmit],
+        outcomes: Sequence[VerifyOutcome],
+        released: Sequence[str],
+    ) -> StepResult:
+        """``step`` for a caller already on the worker thread (a local stream's callback)."""
+        assert threading.current_thread().name == "draft-engine", "step_here off the worker"
+        return self._step(stream, admits, outcomes, released)
 
     def release_stream(self, stream: int) -> None:
         """Frees every request of a finished stream. Queued, not awaited: it is called from

@@ -1,11 +1,15 @@
 """The draft's end of the local stream (``tandem.local_stream`` has the protocol): Speculate
-streams over a Unix socket, served on the gRPC server's event loop by the same code as the gRPC
-stream (``DraftServiceServicer.steps``), so validation, sessions and engine steps are shared.
+streams over a Unix socket, served on the engine's worker thread (``draft_service.worker``):
+the listening socket and every connection are watched there, and a readable connection's
+steps are parsed, run (``DraftEngine.step_here``) and answered without leaving the thread.
+Validation, sessions and responses are the gRPC stream's (``StreamSteps``).
 
 The socket is created private to this user (mode 0600) at the configured path; a stale socket
-left there by a process that died is replaced, any other file is refused. A malformed frame or
-message ends that connection (logged; the target falls back or reconnects); when a connection
-ends, its stream's requests are released as for a gRPC stream.
+left there by a process that died is replaced, a live one or any other file is refused. A
+malformed frame or message ends that connection (logged; the target falls back or
+reconnects); when a connection ends, its stream's requests are released as for a gRPC
+stream. Answers are written with a bounded wait (``SEND_TIMEOUT_S``): a target that stops
+reading loses its connection instead of holding the worker.
 """
 
 from __future__ import annotations
@@ -16,101 +20,132 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
 from tandem.errors import InvalidRequest
-from tandem.local_stream import HEADER, check_path, encode
+from tandem.local_stream import FrameBuffer, check_path, encode
 from tandem.v1 import draft_pb2
 
 if TYPE_CHECKING:
-    from draft_service.server import DraftServiceServicer
+    from draft_service.server import DraftServiceServicer, StreamSteps
+    from draft_service.worker import Worker
 
 logger = logging.getLogger(__name__)
 
+SEND_TIMEOUT_S = 5.0
+_RECV_BYTES = 1 << 20
+
 
 class LocalStreams:
-    """Listens on ``path`` and serves each connection as one Speculate stream."""
+    """Listens on ``path``; each connection is one Speculate stream on the worker thread."""
 
     def __init__(self, servicer: DraftServiceServicer, path: str, max_message_bytes: int) -> None:
         self.servicer = servicer
         self.path = check_path(path)
         self.max_message_bytes = max_message_bytes
-        self._server: asyncio.AbstractServer | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._worker: Worker = servicer.engine.worker
+        self._listener: socket.socket | None = None
+        self._connections: set[_Connection] = set()  # worker thread only
 
     async def start(self) -> None:
         _remove_stale(self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window for other users
         try:
-            self._server = await asyncio.start_unix_server(
-                self._serve, path=self.path, limit=self.max_message_bytes + HEADER.size
-            )
+            listener.bind(self.path)
+        except BaseException:
+            listener.close()
+            raise
         finally:
             os.umask(old_umask)
+        listener.listen(16)
+        listener.setblocking(False)
+        self._listener = listener
+        await asyncio.wrap_future(self._worker.submit(self._worker.watch, listener, self._accept))
         logger.info("local Speculate streams on %s", self.path)
 
     async def stop(self) -> None:
         """Stops listening, ends every connection (their requests are released) and removes
         the socket."""
-        if self._server is None:
+        if self._listener is None:
             return
-        self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        await asyncio.wrap_future(self._worker.submit(self._close_all))
+        self._listener = None
+
+    # -- on the worker thread --------------------------------------------------------------
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            sock, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        sock.settimeout(SEND_TIMEOUT_S)  # reads happen when readable; writes wait this long
+        connection = _Connection(self, sock)
+        self._connections.add(connection)
+        self._worker.watch(sock, connection.on_readable)
+
+    def _close_all(self) -> None:
+        if self._listener is not None:
+            self._worker.unwatch(self._listener)
+            self._listener.close()
+        for connection in list(self._connections):
+            connection.close("the draft is stopping")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        self._server = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
+    def _closed(self, connection: _Connection) -> None:
+        self._connections.discard(connection)
+
+
+class _Connection:
+    """One local stream: frames in, a step each, answers out (worker thread only)."""
+
+    def __init__(self, streams: LocalStreams, sock: socket.socket) -> None:
+        self.streams = streams
+        self.sock = sock
+        self.frames = FrameBuffer(streams.max_message_bytes)
+        self.steps: StreamSteps | None = None
+        self.closed = False
+
+    def on_readable(self) -> None:
         try:
-            info = self.servicer.engine.info
-            if info is None:
-                logger.info("local stream refused: the draft model is loading")
+            data = self.sock.recv(_RECV_BYTES)
+            if not data:
+                self.close("the target closed it")
                 return
-            requests = _requests(reader, self.max_message_bytes)
-            steps = self.servicer.steps(info, requests, f"unix:{self.path}")
-            async with contextlib.aclosing(steps):  # its finally releases the stream's requests
-                async for response in steps:
-                    writer.write(encode(response))
-                    await writer.drain()
+            self.frames.feed(data)
+            while not self.closed and (payload := self.frames.pop()) is not None:
+                self._step(draft_pb2.SpeculateRequest.FromString(payload))
         except InvalidRequest as exc:
-            logger.info("local stream ended: %s", exc)
-        except (ConnectionError, asyncio.IncompleteReadError, DecodeError) as exc:
-            logger.info("local stream ended: %r", exc)
-        except asyncio.CancelledError:
-            pass
-        except Exception:
-            logger.exception("local stream failed")
-        finally:
-            self._connections.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            self.close(str(exc))
+        except (OSError, ConnectionError, DecodeError) as exc:
+            self.close(repr(exc))
 
+    def _step(self, request: draft_pb2.SpeculateRequest) -> None:
+        servicer = self.streams.servicer
+        if self.steps is None:
+            info = servicer.engine.info
+            if info is None:
+                raise ConnectionError("the draft model is loading")
+            self.steps = servicer.open_stream(info, f"unix:{self.streams.path}")
+        work = self.steps.begin(request)
+        stream = self.steps.stream_id
+        result = servicer.engine.step_here(stream, work.admits, work.outcomes, work.released)
+        self.sock.sendall(encode(self.steps.finish(request, work, result)))
 
-async def _requests(
-    reader: asyncio.StreamReader, max_bytes: int
-) -> AsyncIterator[draft_pb2.SpeculateRequest]:
-    """The connection's requests until it ends between frames; ConnectionError for an
-    oversized frame, IncompleteReadError for one cut short."""
-    while True:
-        try:
-            header = await reader.readexactly(HEADER.size)
-        except asyncio.IncompleteReadError as exc:
-            if not exc.partial:
-                return  # closed between frames: the stream's normal end
-            raise
-        (length,) = HEADER.unpack(header)
-        if length > max_bytes:
-            raise ConnectionError(f"a {length}-byte frame exceeds the {max_bytes} cap")
-        yield draft_pb2.SpeculateRequest.FromString(await reader.readexactly(length))
+    def close(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        logger.info("local stream ended: %s", reason)
+        self.streams._worker.unwatch(self.sock)
+        self.sock.close()
+        if self.steps is not None:
+            self.steps.close()
+        self.streams._closed(self)
 
 
 def _remove_stale(path: str) -> None:

@@ -28,7 +28,7 @@ import grpc
 import torch
 
 from draft_service.config import DraftServiceConfig
-from draft_service.engine import DraftEngine, DraftInfo
+from draft_service.engine import DraftEngine, DraftInfo, StepResult
 from draft_service.local import LocalStreams
 from draft_service.observe import DraftMetrics, StreamSpans
 from tandem import __version__, security, wire
@@ -226,13 +226,74 @@ class _Session:
         )
 
 
+class StreamSteps:
+    """One Speculate stream around engine steps: ``begin`` a request (hello check, session,
+    spans), run the engine step, ``finish`` into its response; ``close`` once, when the stream
+    ends for any reason (its requests are released)."""
+
+    def __init__(self, servicer: DraftServiceServicer, info: DraftInfo, peer: str) -> None:
+        self.servicer = servicer
+        self.info = info
+        self.stream_id = next(servicer.stream_ids)
+        self.session = _Session(info, servicer.config.max_spec)
+        self.spans = StreamSpans()
+        self._first = True
+        self._received = 0
+        self._extend_ns = 0
+        logger.info("stream %d opened by %s", self.stream_id, peer)
+
+    def begin(self, request: draft_pb2.SpeculateRequest) -> _Work:
+        self._received = time.perf_counter_ns()
+        _check_hello(request, self._first)
+        work = self.session.apply(request)
+        self.spans.ended(work.released, "released")
+        self.spans.admitted(work.admits)
+        self._extend_ns = time.perf_counter_ns() - self._received
+        return work
+
+    def finish(
+        self, request: draft_pb2.SpeculateRequest, work: _Work, result: StepResult
+    ) -> draft_pb2.SpeculateResponse:
+        self.session.forget(result.dropped)
+        self.spans.ended([*work.dropped, *result.dropped], "dropped")
+        response = draft_pb2.SpeculateResponse(
+            step_id=request.step_id,
+            lane_id=request.lane_id,
+            trees=[wire.tree_to_proto(r, t) for r, t in result.trees.items()],
+            dropped_request_ids=[*work.dropped, *result.dropped],
+            kv_usage=common_pb2.KvUsage(
+                pages_used=result.kv_usage.pages_used,
+                pages_total=result.kv_usage.pages_total,
+                page_size=result.kv_usage.page_size,
+            ),
+            extend_ns=self._extend_ns,
+            draft_ns=result.draft_ns,
+            model_ns=result.model_ns,
+        )
+        if self._first:
+            response.hello.CopyFrom(self.servicer.hello(self.info))
+            self._first = False
+        response.total_ns = time.perf_counter_ns() - self._received
+        self.servicer.metrics.stepped(
+            result.trees.values(), response.total_ns / 1e9, request.lane_id
+        )
+        if request.deadline_ns and response.total_ns > request.deadline_ns:
+            logger.debug("stream %d step %d late", self.stream_id, request.step_id)
+        return response
+
+    def close(self) -> None:
+        self.spans.close()
+        self.servicer.engine.release_stream(self.stream_id)
+        logger.info("stream %d closed", self.stream_id)
+
+
 class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
     """Thin servicer: proto <-> domain around :class:`DraftEngine` steps."""
 
     def __init__(self, engine: DraftEngine, config: DraftServiceConfig) -> None:
         self.engine = engine
         self.config = config
-        self._stream_ids = itertools.count()
+        self.stream_ids = itertools.count()
         self.metrics = DraftMetrics(engine.last_kv_usage)
         # Random per process: GetInfo and the hello report it, so a target that reaches the
         # local socket knows it is this service's.
@@ -259,54 +320,25 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
         request_iterator: AsyncIterator[draft_pb2.SpeculateRequest],
         peer: str,
     ) -> AsyncGenerator[draft_pb2.SpeculateResponse]:
-        """One Speculate stream, whatever carries it (gRPC, or ``draft_service.local``'s
-        socket): a response per request, in order. InvalidRequest ends the stream."""
-        stream = next(self._stream_ids)
-        session = _Session(info, self.config.max_spec)
-        spans = StreamSpans()
-        logger.info("stream %d opened by %s", stream, peer)
+        """One gRPC Speculate stream: a response per request, in order, each step on the
+        engine's worker. InvalidRequest ends the stream."""
+        stream = self.open_stream(info, peer)
         try:
-            first = True
             async for request in request_iterator:
-                received = time.perf_counter_ns()
-                _check_hello(request, first)
-                work = session.apply(request)
-                spans.ended(work.released, "released")
-                spans.admitted(work.admits)
-                extend_ns = time.perf_counter_ns() - received
-                result = await self.engine.step(stream, work.admits, work.outcomes, work.released)
-                session.forget(result.dropped)
-                spans.ended([*work.dropped, *result.dropped], "dropped")
-                response = draft_pb2.SpeculateResponse(
-                    step_id=request.step_id,
-                    lane_id=request.lane_id,
-                    trees=[wire.tree_to_proto(r, t) for r, t in result.trees.items()],
-                    dropped_request_ids=[*work.dropped, *result.dropped],
-                    kv_usage=common_pb2.KvUsage(
-                        pages_used=result.kv_usage.pages_used,
-                        pages_total=result.kv_usage.pages_total,
-                        page_size=result.kv_usage.page_size,
-                    ),
-                    extend_ns=extend_ns,
-                    draft_ns=result.draft_ns,
-                    model_ns=result.model_ns,
+                work = stream.begin(request)
+                result = await self.engine.step(
+                    stream.stream_id, work.admits, work.outcomes, work.released
                 )
-                if first:
-                    response.hello.CopyFrom(self._hello(info))
-                    first = False
-                response.total_ns = time.perf_counter_ns() - received
-                self.metrics.stepped(
-                    result.trees.values(), response.total_ns / 1e9, request.lane_id
-                )
-                if request.deadline_ns and response.total_ns > request.deadline_ns:
-                    logger.debug("stream %d step %d late", stream, request.step_id)
-                yield response
+                yield stream.finish(request, work, result)
         finally:
-            spans.close()
-            self.engine.release_stream(stream)
-            logger.info("stream %d closed", stream)
+            stream.close()
 
-    def _hello(self, info: DraftInfo) -> draft_pb2.SpeculateHello:
+    def open_stream(self, info: DraftInfo, peer: str) -> StreamSteps:
+        """The protocol state of a new Speculate stream, whatever carries it (gRPC above, or
+        ``draft_service.local``'s socket, which steps on the worker thread itself)."""
+        return StreamSteps(self, info, peer)
+
+    def hello(self, info: DraftInfo) -> draft_pb2.SpeculateHello:
         return draft_pb2.SpeculateHello(
             protocol_version=PROTOCOL_VERSION,
             tensor_transports=[draft_pb2.TENSOR_TRANSPORT_INLINE],

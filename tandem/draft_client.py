@@ -74,6 +74,7 @@ logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 T = TypeVar("T")
 _SPECULATE = "/tandem.v1.DraftService/Speculate"  # the stub's method, with _serialize
+_COPY_SPIN_S = 0.0003  # local stream: how long the engine thread looks at a feature copy
 _SAFETY_S = 1.0  # beyond the deadline, the engine thread stops waiting even for a blocked send
 
 
@@ -304,7 +305,7 @@ class RemoteDrafter(Drafter):
         link.drain()  # a late answer that has come in no longer holds this step back
         admits, outcomes, copied = self._features_to_host(admits, outcomes, link.stream)
         self._deferred = [f for f in self._deferred if not f.done()]
-        if (copied is None or copied.query()) and not self._deferred:
+        if (copied is None or _done_soon(copied)) and not self._deferred:
             deadline_ns = int(self.deadline_s * 1e9)
             step_id, wanted = link.send(lane, admits, outcomes, released, deadline_ns)
             if not step_id:
@@ -702,6 +703,17 @@ class RemoteDrafter(Drafter):
         if request_ids:
             with self._dropped_lock:
                 self._dropped.extend(request_ids)
+
+
+def _done_soon(copied: torch.cuda.Event) -> bool:
+    """Whether a feature copy is done within ``_COPY_SPIN_S``: at bs 1 it is queued on an idle
+    stream and takes microseconds, less than a hand-off to the loop; behind another lane's
+    forward it is not, and the loop waits for it instead."""
+    end = time.perf_counter() + _COPY_SPIN_S
+    while not copied.query():
+        if time.perf_counter() >= end:
+            return False
+    return True
 
 
 def _serialize(message: draft_pb2.SpeculateRequest | Outgoing) -> bytes:
