@@ -296,8 +296,10 @@ class RemoteDrafter(Drafter):
         outcomes: Sequence[VerifyOutcome],
         released: Sequence[str],
     ) -> _Submission:
-        """Sends the step from this thread, or hands it to the loop while its features are
-        still being copied (or an earlier step is still waiting for its copy there)."""
+        """Sends the step from this thread, or hands it to the loop: while its features are
+        still being copied, while an earlier step waits there, and for a step with prompts
+        (admits, or prompt frames still to send), whose build and write take the engine thread
+        milliseconds at large batches."""
         if link.broken is not None:
             self._local_lost(link)
             self._report_dropped([a.request_id for a in admits])
@@ -305,7 +307,8 @@ class RemoteDrafter(Drafter):
         link.drain()  # a late answer that has come in no longer holds this step back
         admits, outcomes, copied = self._features_to_host(admits, outcomes, link.stream)
         self._deferred = [f for f in self._deferred if not f.done()]
-        if (copied is None or _done_soon(copied)) and not self._deferred:
+        prompts = bool(admits) or bool(link.stream.outbox)
+        if not prompts and not self._deferred and (copied is None or _done_soon(copied)):
             deadline_ns = int(self.deadline_s * 1e9)
             step_id, wanted = link.send(lane, admits, outcomes, released, deadline_ns)
             if not step_id:
