@@ -115,18 +115,7 @@ class DraftEngine:
         released: Sequence[str],
     ) -> StepResult:
         """One `Drafter.step` for ``stream``'s requests (ids as the stream names them)."""
-        return await self._run(self._step, stream, admits, outcomes, released)
-
-    def step_here(
-        self,
-        stream: int,
-        admits: Sequence[DraftAdmit],
-        outcomes: Sequence[VerifyOutcome],
-        released: Sequence[str],
-    ) -> StepResult:
-        """``step`` for a caller already on the worker thread (a local stream's callback)."""
-        assert threading.current_thread().name == "draft-engine", "step_here off the worker"
-        return self._step(stream, admits, outcomes, released)
+        return await self._run(self.step_here, stream, admits, outcomes, released)
 
     def release_stream(self, stream: int) -> None:
         """Frees every request of a finished stream. Queued, not awaited: it is called from
@@ -226,13 +215,16 @@ class DraftEngine:
         self._drafter.take_dropped()
         assert self._drafter.num_tracked() == 0, "warm-up left state behind"
 
-    def _step(
+    def step_here(
         self,
         stream: int,
         admits: Sequence[DraftAdmit],
         outcomes: Sequence[VerifyOutcome],
         released: Sequence[str],
     ) -> StepResult:
+        """``step`` on the worker thread itself (``step`` runs it there; a local stream's
+        callback already is there)."""
+        assert threading.current_thread().name == "draft-engine", "step_here off the worker"
         assert self._drafter is not None, "step before load"
         prefix = f"{stream}/"
         tracked = self._tracked.setdefault(stream, set())

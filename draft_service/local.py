@@ -2,7 +2,7 @@
 streams over a Unix socket, served on the engine's worker thread (``draft_service.worker``):
 the listening socket and every connection are watched there, and a readable connection's
 steps are parsed, run (``DraftEngine.step_here``) and answered without leaving the thread.
-Validation, sessions and responses are the gRPC stream's (``StreamSteps``).
+Validation, sessions and responses are the gRPC stream's (``session.StreamSteps``).
 
 The socket is created private to this user (mode 0600) at the configured path; a stale socket
 left there by a process that died is replaced, a live one or any other file is refused. A
@@ -29,7 +29,8 @@ from tandem.local_stream import FrameBuffer, check_path, encode
 from tandem.v1 import draft_pb2
 
 if TYPE_CHECKING:
-    from draft_service.server import DraftServiceServicer, StreamSteps
+    from draft_service.server import DraftServiceServicer
+    from draft_service.session import StreamSteps
     from draft_service.worker import Worker
 
 logger = logging.getLogger(__name__)
