@@ -12,10 +12,11 @@ Frames: an 8-byte little-endian length, then that many bytes of a serialised
 above the receiver's ``max_message_bytes`` ends the stream. Everything else is the gRPC
 stream's protocol: the hello first, the same messages and validation, answers in step order.
 
-What it saves is the machinery around the bytes (at bs 1 on an H100 that machinery was most of
-the services' 3 ms a cycle over the in-process cycle): the target's engine thread builds and
-writes its step and reads the answer itself, with no hop to the client's event loop and none
-through gRPC's threads; the draft's server loop reads the socket directly.
+What it saves is machinery around the bytes (at bs 1 on an H100 it takes 0.7-1.2 ms off the
+2.5 ms a cycle that the gRPC exchange cost over the in-process cycle; docs/performance.md):
+the target's engine thread builds and writes its step and reads the answer itself, with no hop
+to the client's event loop and none through gRPC's threads; on the draft, the engine's worker
+thread reads the socket, runs the step and answers (``draft_service/local.py``).
 
 :class:`LocalLink` is the target's end. Its sends come from the engine thread, or from the
 client's loop for a step whose features are still being copied to the host (in order: while
