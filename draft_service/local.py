@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
+from draft_service.session import StreamSteps
 from tandem.errors import InvalidRequest
 from tandem.local_stream import FrameBuffer, check_path, encode
 from tandem.v1 import draft_pb2
 
 if TYPE_CHECKING:
     from draft_service.server import DraftServiceServicer
-    from draft_service.session import StreamSteps
     from draft_service.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class _Connection:
             info = servicer.engine.info
             if info is None:
                 raise ConnectionError("the draft model is loading")
-            self.steps = servicer.open_stream(info, f"unix:{self.streams.path}")
+            self.steps = StreamSteps(servicer, info, f"unix:{self.streams.path}")
         work = self.steps.begin(request)
         stream = self.steps.stream_id
         result = servicer.engine.step_here(stream, work.admits, work.outcomes, work.released)

@@ -74,7 +74,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
     ) -> AsyncGenerator[draft_pb2.SpeculateResponse]:
         """One gRPC Speculate stream: a response per request, in order, each step on the
         engine's worker. InvalidRequest ends the stream."""
-        stream = self.open_stream(info, peer)
+        stream = StreamSteps(self, info, peer)
         try:
             async for request in request_iterator:
                 work = stream.begin(request)
@@ -84,11 +84,6 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
                 yield stream.finish(request, work, result)
         finally:
             stream.close()
-
-    def open_stream(self, info: DraftInfo, peer: str) -> StreamSteps:
-        """The protocol state of a new Speculate stream, whatever carries it (gRPC above, or
-        ``draft_service.local``'s socket, which steps on the worker thread itself)."""
-        return StreamSteps(self, info, peer)
 
     def hello(self, info: DraftInfo) -> draft_pb2.SpeculateHello:
         return draft_pb2.SpeculateHello(

@@ -281,10 +281,7 @@ class RemoteDrafter(DraftStreams, Drafter):
                 self._set_state(DraftState.UNHEALTHY)
         else:
             link.drain()  # answers nobody waits for still clear the backlog
-        if link.broken is not None:
-            self._local_lost(link)
-        elif not link.backlogged and self._state is DraftState.UNHEALTHY:
-            self._set_state(DraftState.HEALTHY)
+        self._settle(link)
         if answer is None:
             self.fallback_steps += 1
             return {}
@@ -298,6 +295,11 @@ class RemoteDrafter(DraftStreams, Drafter):
         if link is None:
             return
         link.drain()
+        self._settle(link)
+
+    def _settle(self, link: LocalLink) -> None:
+        """After reading from ``link``: a broken one is given up; once no late answer is
+        outstanding, the draft is HEALTHY again."""
         if link.broken is not None:
             self._local_lost(link)
         elif not link.backlogged and self._state is DraftState.UNHEALTHY:
