@@ -107,7 +107,9 @@ def build_drafter(config: DraftConfig, num_target_layers: int) -> Drafter:
         for m in modules
     ]
     for module in modules:
-        module.eval()
+        # A served head is never trained: with parameters that need no grad, fused_ops picks
+        # the Triton kernels outside inference mode too (a graph captured at load, say).
+        module.eval().requires_grad_(False)
     return ModelDrafter(
         modules,
         kvs,

@@ -344,3 +344,40 @@ def test_engine_with_target_graphs_captures_draft_graphs(
     assert outputs == target_only(ckpts, PLAN)
     assert any(kind == "loop" for kind, _ in runner.replays)
     assert all(kv.allocator.num_free_pages == kv.allocator.num_pages for kv in drafter.kvs)
+
+
+def test_served_heads_need_no_grad(ckpts: Checkpoints) -> None:
+    """build_drafter's modules never train: no parameter asks for grad, so ``fused_ops`` may
+    take the Triton kernels whatever the grad mode of the caller (a capture at load)."""
+    for kind in (k for k in KINDS if k != "ngram"):
+        drafter = make_drafter(ckpts, kind, str(DEVICE))
+        assert not any(p.requires_grad for m in drafter.modules for p in m.parameters())
+
+
+@pytest.mark.gpu
+def test_capture_takes_the_fused_kernels(
+    ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A capture outside inference mode, of heads whose parameters ask for grad, still records
+    the Triton kernels: before, it recorded the eager references (about 120 more kernels a bs-1
+    draft step of the 8B-shaped EAGLE-3 head)."""
+    if DEVICE.type != "cuda":
+        pytest.skip("needs CUDA without TRITON_INTERPRET")
+    import kernels
+    from tandem.models import decoder
+
+    drafter = make_drafter(ckpts, "eagle3", "cuda", page_size=16, num_pages=64)
+    for module in drafter.modules:
+        module.requires_grad_(True)
+    chosen: list[kernels.Ops] = []
+
+    def spy(*tensors: torch.Tensor) -> kernels.Ops:
+        chosen.append(original(*tensors))
+        return chosen[-1]
+
+    original = decoder.fused_ops
+    monkeypatch.setattr(decoder, "fused_ops", spy)
+    assert torch.is_grad_enabled()
+    runner = drafter.enable_graphs(batch_sizes=(1, 2), max_model_len=64, num_steps=(3,))
+    assert runner.captured and chosen
+    assert all(ops is not kernels.REFERENCE for ops in chosen)
