@@ -298,7 +298,6 @@ class DraftGraphRunner:
         if self.use_graphs:
             self._capture(num_steps, new)
 
-    @torch.inference_mode()  # as the target's capture: fused_ops picks the Triton kernels
     def _capture(self, num_steps: int, entries: list[LoopEntry | ExtendEntry]) -> None:
         torch.cuda.synchronize(self.device)
         free_before, total = torch.cuda.mem_get_info(self.device)

@@ -359,8 +359,8 @@ def test_capture_takes_the_fused_kernels(
     ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A capture outside inference mode, of heads whose parameters ask for grad, still records
-    the Triton kernels: before, it recorded the eager references (about 120 more kernels a bs-1
-    draft step of the 8B-shaped EAGLE-3 head)."""
+    the Triton kernels (``capture_graph`` runs in inference mode): before, it recorded the eager
+    references (about 120 more kernels a bs-1 draft step of the 8B-shaped EAGLE-3 head)."""
     if DEVICE.type != "cuda":
         pytest.skip("needs CUDA without TRITON_INTERPRET")
     import kernels
