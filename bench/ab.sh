@@ -6,8 +6,9 @@
 #   bash bench/ab.sh prepare REV        -> .ab/base/ (git-ignored; carry ".ab" and ".whl")
 #
 # On the device machine, from the repo root: the base tree's rows, then the working tree's, the
-# pair twice; extra arguments go to both trees' bench/gpu_bench.sh (e.g. --modes spec,k0
-# --batch-sizes 1,8). Each run's table goes to $OUT/ab-<tree>-<round>/bench.txt.
+# pair twice (AB_ROUNDS pairs, to split a long A/B over calls); extra arguments go to both
+# trees' bench/gpu_bench.sh (e.g. --modes spec,k0 --batch-sizes 1,8). Each run's table goes
+# to $OUT/ab-<tree>-<round>/bench.txt.
 #
 #   bash bench/ab.sh run --modes spec,k0 --batch-sizes 1,8
 set -uo pipefail
@@ -28,7 +29,7 @@ case "${1:-}" in
     OUT=${OUT:-out/gpu}
     export MODELS=${MODELS:-/tmp/tandem-bench-models}  # written once, read by both trees
     rc=0
-    for round in 1 2; do
+    for round in $(seq "${AB_ROUNDS:-2}"); do
       for tree in base work; do
         dir=$PWD; [ "$tree" = base ] && dir=$PWD/.ab/base
         (cd "$dir" && OUT="$OUT/ab-$tree-$round" BENCH_TIMEOUT=${BENCH_TIMEOUT:-120} \

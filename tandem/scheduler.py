@@ -65,6 +65,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def step_full(self) -> bool:
+        """Whether the waiting requests already fill a step (its sequences or its tokens), so
+        a request arriving now would wait for a later step anyway."""
+        if len(self.running) + len(self.waiting) >= self.max_num_seqs:
+            return True
+        tokens = sum(r.num_tokens - r.num_computed for r in self.waiting)
+        return tokens >= self.max_num_batched_tokens
+
     def schedule(self, lane: int | None = None) -> ScheduledBatch:
         """This step's batch: the running and waiting requests of ``lane`` (all when None)."""
         batch = ScheduledBatch()

@@ -72,10 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admission-window",
         type=float,
-        default=float(env("TANDEM_TARGET_ADMISSION_WINDOW", "0.008")),
-        help="seconds an idle target waits after a first request for the rest of its burst, "
-        "so they prefill in one step (stops once none came for a quarter of it; 0: off; "
-        "default: 0.008)",
+        default=float(env("TANDEM_TARGET_ADMISSION_WINDOW", "0.05")),
+        help="seconds an idle target waits at most after a first request for the rest of its "
+        "burst, so they prefill together (stops sooner once none came for --admission-gap, or "
+        "once the waiting requests fill a step; 0: off; default: 0.05)",
+    )
+    p.add_argument(
+        "--admission-gap",
+        type=float,
+        default=float(env("TANDEM_TARGET_ADMISSION_GAP", "0.002")),
+        help="seconds without a new request that end an idle target's wait for a burst "
+        "(default: 0.002)",
     )
     p.add_argument("--page-size", type=int, default=int(env("TANDEM_TARGET_PAGE_SIZE", "16")))
     p.add_argument("--num-pages", type=int, default=env("TANDEM_TARGET_NUM_PAGES", None))
@@ -177,6 +184,7 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
         draft_deadline_s=a.draft_deadline,
         draft_local_stream=a.draft_local_stream,
         admission_window_s=a.admission_window,
+        admission_gap_s=a.admission_gap,
         reflection=a.reflection,
         grace_s=a.grace,
         tls=security.server_tls_from_args(a),
@@ -210,6 +218,7 @@ async def main(config: TargetServiceConfig) -> None:
         status=lambda: status(engine, drafter),
         status_interval_s=config.status_interval_s,
         admission_window_s=config.admission_window_s,
+        admission_gap_s=config.admission_gap_s,
     )
     info = get_info(engine, config)
     target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(loop, info), server)

@@ -24,8 +24,10 @@ class TargetServiceConfig:
     draft_local_stream: bool = True  # use the draft's local socket when it reports one (no TLS)
     status_interval_s: float = 0.25  # TargetStatus to the gateway at most this often
     # An idle engine's first admit waits up to this long for the rest of its burst (stopping
-    # once none came for a quarter of it), so prompts arriving together prefill together.
-    admission_window_s: float = 0.008
+    # once none came for admission_gap_s, or once the waiting requests fill a step), so
+    # prompts arriving together prefill together.
+    admission_window_s: float = 0.05
+    admission_gap_s: float = 0.002
     reflection: bool = False
     grace_s: float = 10.0  # SIGTERM: drain this long before exiting
     max_message_bytes: int = 64 << 20
@@ -45,6 +47,8 @@ class TargetServiceConfig:
             raise ValueError("draft_deadline_s: must be > 0")
         if self.admission_window_s < 0:
             raise ValueError("admission_window_s: must be >= 0")
+        if self.admission_gap_s <= 0:
+            raise ValueError("admission_gap_s: must be > 0")
         if self.grace_s < 0:
             raise ValueError("grace_s: must be >= 0")
         if self.draft_tls is not None and self.draft_addr is None:

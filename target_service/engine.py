@@ -78,11 +78,13 @@ class TargetLoop:
         status: Callable[[], target_pb2.TargetStatus],
         status_interval_s: float = 0.25,
         admission_window_s: float = 0.0,
+        admission_gap_s: float = 0.002,
     ) -> None:
         self.engine = engine
         self._status = status
         self._status_interval_s = status_interval_s
         self._admission_window_s = admission_window_s
+        self._admission_gap_s = admission_gap_s
         self._inbox: queue.Queue[Admit | Abort | Move | Detach] = queue.Queue()
         self._streams = _Streams()
         self._lock = threading.Lock()  # guards _streams.sinks (servicer adds, loop reads)
@@ -151,15 +153,24 @@ class TargetLoop:
         """An idle engine just got work: requests of one burst (a client's batch, a gateway
         forwarding several streams) arrive a fraction of a millisecond apart, and a prefill
         step launched on the first would leave the others waiting for the whole of it. Takes
-        what arrives within the admission window, until a quarter of it passes with none."""
-        window = self._admission_window_s
-        end = time.monotonic() + window
-        while (left := end - time.monotonic()) > 0:
+        what arrives until the admission gap passes with none, the admission window (from the
+        first) closes, or the waiting requests fill a step."""
+        window, gap = self._admission_window_s, self._admission_gap_s
+        start = time.monotonic()
+        gathered = 1
+        while not self.engine.scheduler.step_full():
+            left = start + window - time.monotonic()
+            if left <= 0:
+                break
             try:
-                command = self._inbox.get(timeout=min(left, window / 4))
+                command = self._inbox.get(timeout=min(left, gap))
             except queue.Empty:
-                return
+                break
             self._apply(command)
+            gathered += 1
+        logger.debug(
+            "admission: %d commands in %.1f ms", gathered, (time.monotonic() - start) * 1e3
+        )
 
     def _apply(self, command: Admit | Abort | Move | Detach) -> None:
         if isinstance(command, Admit):

@@ -3,7 +3,8 @@ StepStats.verify_ns is the forward's device time, from timing events: ``tandem.c
 run Y1 this was ``synced_target``, which synchronised after each forward and so held back the
 verification's host work behind it). Garbage collections of 2 ms or more are logged,
 so that a slow step in StepStats can be told from a collection, and so are stretches of 15 ms or
-more in which a watchdog thread did not get the GIL, with where the other threads stood. With
+more in which a watchdog thread did not get the GIL, with where the other threads stood, and
+each admission burst an idle target gathered (how many commands, over how long). With
 ``TANDEM_BENCH_STEP_LOG`` set, every step that verified something is appended there as one JSON
 line (its StepStats and ``monotonic_ns``, the ``time.monotonic_ns()`` it was sent at, one clock
 for every process on the host) by a writer thread, so that the benchmark can read the steps of
@@ -77,6 +78,7 @@ def read_steps(path: Path, windows: list[tuple[int, int]]) -> list[target_pb2.St
 if __name__ == "__main__":
     serving.log_gc_pauses(logger)
     stalls.log_stalls(logger)
+    logging.getLogger("target_service.engine").setLevel(logging.DEBUG)  # admission bursts
     step_log = os.environ.get(ENV_STEP_LOG)
     if step_log:
         TargetLoop._send = _logged(TargetLoop._send, Path(step_log))  # type: ignore[method-assign]

@@ -212,39 +212,71 @@ def test_a_cancelled_stream_leaves_no_task_behind(
 
 
 def test_an_idle_target_prefills_a_burst_in_one_step(target_dir: Path) -> None:
-    """An idle target's first admit waits (up to the admission window) for the rest of its
-    burst: a second prompt 0.1 s later still prefills in the first step, with a window of 1 s
-    whose quarter is 0.25 s. A lone prompt then waits only that quarter, not the window."""
+    """An idle target's first admit waits for the rest of its burst: prompts 0.1 s apart, with
+    a gap of 0.25 s, all prefill in the first step, however long the burst lasts within the
+    window (here 0.4 s, more than the gap). A lone prompt then waits the gap, not a quarter of
+    the window (1 s)."""
     engine = Engine(EngineConfig(model=target_dir, num_pages=256))
     loop = TargetLoop(
-        engine, status=lambda: status(engine, None), status_interval_s=0.05, admission_window_s=1.0
+        engine,
+        status=lambda: status(engine, None),
+        status_interval_s=0.05,
+        admission_window_s=4.0,
+        admission_gap_s=0.25,
     )
     reports: queue.Queue[target_pb2.ControlResponse] = queue.Queue()
     loop.attach(1, reports.put)
-    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-
-    def first_step(ids: list[str]) -> tuple[set[str], float]:
-        """The ids committed in the first step after admitting ``ids`` 0.1 s apart, and how
-        long after the last admit that step reported."""
-        for request_id in ids:
-            time.sleep(0.1)
-            loop.submit(Admit(1, request_id, PROMPTS[1], params, speculate=False))
-        sent = time.monotonic()
-        while (response := reports.get(timeout=30)).WhichOneof("event") != "step":
-            pass
-        return {c.request_id for c in response.step.commits}, time.monotonic() - sent
-
     loop.start()
     try:
-        committed, _ = first_step(["a", "b"])
-        assert committed == {"a", "b"}
+        committed, _ = _first_step(loop, reports, ["a", "b", "c", "d", "e"], 0.1)
+        assert committed == {"a", "b", "c", "d", "e"}
         _wait_idle(engine)
         while not reports.empty():
             reports.get_nowait()
-        committed, after = first_step(["c"])
-        assert committed == {"c"} and after < 0.9
+        committed, after = _first_step(loop, reports, ["f"], 0.1)
+        assert committed == {"f"} and after < 0.8
     finally:
         loop.stop()
+
+
+def test_a_burst_that_fills_a_step_stops_the_wait(target_dir: Path) -> None:
+    """Once the waiting requests fill a step (here max_num_seqs = 2), an idle target starts at
+    once: a request arriving later would wait for a later step anyway. Neither the gap nor the
+    window (5 s each) is waited out."""
+    engine = Engine(EngineConfig(model=target_dir, num_pages=256, max_num_seqs=2))
+    loop = TargetLoop(
+        engine,
+        status=lambda: status(engine, None),
+        status_interval_s=0.05,
+        admission_window_s=5.0,
+        admission_gap_s=5.0,
+    )
+    reports: queue.Queue[target_pb2.ControlResponse] = queue.Queue()
+    loop.attach(1, reports.put)
+    loop.start()
+    try:
+        committed, after = _first_step(loop, reports, ["a", "b"], 0.05)
+        assert committed == {"a", "b"} and after < 1.0
+    finally:
+        loop.stop()
+
+
+def _first_step(
+    loop: TargetLoop,
+    reports: queue.Queue[target_pb2.ControlResponse],
+    ids: list[str],
+    apart_s: float,
+) -> tuple[set[str], float]:
+    """The ids committed in the first step after admitting ``ids`` ``apart_s`` apart, and how
+    long after the last admit that step reported."""
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    for request_id in ids:
+        time.sleep(apart_s)
+        loop.submit(Admit(1, request_id, PROMPTS[1], params, speculate=False))
+    sent = time.monotonic()
+    while (response := reports.get(timeout=30)).WhichOneof("event") != "step":
+        pass
+    return {c.request_id for c in response.step.commits}, time.monotonic() - sent
 
 
 def _wait_idle(engine: Engine, timeout: float = 30) -> None:

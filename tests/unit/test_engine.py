@@ -12,8 +12,10 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.errors import InvalidRequest
-from tandem.request import FinishReason
+from tandem.kv import PageAllocator
+from tandem.request import FinishReason, Request
 from tandem.sampling import SamplingParams
+from tandem.scheduler import Scheduler
 from tests.checkpoints import ARCHS, hf_greedy, make_checkpoint
 
 NEW_TOKENS = 32
@@ -123,3 +125,33 @@ def test_invalid_requests_are_refused(ckpt: Path) -> None:
     rid = eng.add_request([5], greedy(2))
     with pytest.raises(InvalidRequest, match="request_id"):
         eng.add_request([5], greedy(2), request_id=rid)
+
+
+def test_step_full_counts_sequences_and_prompt_tokens() -> None:
+    """``Scheduler.step_full`` (an idle target stops gathering a burst there): waiting prompts
+    whose tokens reach the step's budget fill it, and so do sequences reaching the cap."""
+
+    def scheduler(max_num_seqs: int) -> Scheduler:
+        return Scheduler(
+            PageAllocator(64, 4),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=10,
+            max_model_len=64,
+            eos_token_ids=(),
+        )
+
+    def request(i: int, n: int) -> Request:
+        return Request(
+            request_id=f"r{i}", prompt_ids=list(range(1, n + 1)), params=SamplingParams()
+        )
+
+    by_tokens = scheduler(max_num_seqs=8)
+    by_tokens.add(request(0, 6))
+    assert not by_tokens.step_full()
+    by_tokens.add(request(1, 4))  # 10 prompt tokens: the budget
+    assert by_tokens.step_full()
+    by_seqs = scheduler(max_num_seqs=2)
+    by_seqs.add(request(0, 2))
+    assert not by_seqs.step_full()
+    by_seqs.add(request(1, 2))
+    assert by_seqs.step_full()
