@@ -74,7 +74,11 @@ class Scheduler:
         return tokens >= self.max_num_batched_tokens
 
     def schedule(self, lane: int | None = None) -> ScheduledBatch:
-        """This step's batch: the running and waiting requests of ``lane`` (all when None)."""
+        """This step's batch: the running requests of ``lane`` (all when None), then waiting
+        requests of any lane. A prompt is no lane's yet: prefilled in the first step with room,
+        a burst split over two lanes takes as few steps as its tokens need (the gateway assigns
+        lanes at admission, so a burst's first step held one lane's share of it: one extra
+        2048-token step a bs-32 round); it decodes in its own lane from then on."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
@@ -100,11 +104,11 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         while budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            # Waiting requests of this lane, first come first served; the pool is tight after a
-            # preemption, so the running requests finish first then.
-            new = next((r for r in self.waiting if lane is None or r.lane == lane), None)
-            if new is None:
+            # Waiting requests, first come first served; the pool is tight after a preemption,
+            # so the running requests finish first then.
+            if not self.waiting:
                 break
+            new = self.waiting[0]
             n = min(new.num_tokens, budget)
             if not self.allocator.can_allocate(n):
                 break

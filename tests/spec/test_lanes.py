@@ -63,11 +63,11 @@ def test_a_tree_for_an_old_state_is_never_verified(ckpts: Checkpoints) -> None:
     c = engine.add_request(prompts[0], greedy(24), lane=0)
     b = engine.add_request(prompts[2], greedy(24), lane=1)
     req = engine._requests[a]
-    engine.step()  # lane 0: a's and c's prompts; their admits go to the draft
+    engine.step()  # lane 0: every prompt (b's too); their admits go to the draft
     assert engine.last_lane == 0 and req.in_draft and req.tree is None
     engine.set_lane([a], 1)  # a's first tree is in lane 0's uncollected answer
     steps, drafted = req.stats.verify_steps, req.stats.draft_tokens
-    engine.step()  # lane 1: a decodes without a tree (b's prompt runs too)
+    engine.step()  # lane 1: a decodes without a tree, and so does b (its prompt ran in lane 0)
     assert engine.last_lane == 1
     assert (req.stats.verify_steps, req.stats.draft_tokens) == (steps + 1, drafted)
     engine.step()  # lane 0 collects: a's tree answers a state a has left
@@ -80,6 +80,26 @@ def test_a_tree_for_an_old_state_is_never_verified(ckpts: Checkpoints) -> None:
     assert engine.pop_finished(a).token_ids == _target_only(ckpts, prompts[1], 24)
     engine.pop_finished(b), engine.pop_finished(c)
     assert engine.drafter is not None and engine.drafter.num_tracked() == 0
+
+
+def test_prompts_of_both_lanes_prefill_in_one_step(ckpts: Checkpoints) -> None:
+    """A prompt is no lane's until it runs: a speculating step of lane 0 also prefills the
+    prompts waiting in lane 1 (a burst the gateway split over two lanes takes the steps its
+    tokens need, not one lane's share each), and they decode in lane 1 from then on, with
+    the target's output."""
+    engine = ckpts.engine("model", SpecConfig(num_steps=3, topk=1), page_size=4)
+    prompts = ragged_prompts()[:4]
+    ids = [engine.add_request(p, greedy(12), lane=i % 2) for i, p in enumerate(prompts)]
+    engine.step()
+    assert engine.last_lane == 0 and not engine.scheduler.waiting
+    assert all(len(engine._requests[r].output_ids) == 1 for r in ids)
+    engine.step()
+    assert engine.last_lane == 1
+    while engine.has_unfinished():
+        engine.step()
+    engine.flush_draft()
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        assert engine.pop_finished(request_id).token_ids == _target_only(ckpts, prompt, 12)
 
 
 def test_lane_ids_are_checked(ckpts: Checkpoints) -> None:
