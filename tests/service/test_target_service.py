@@ -217,16 +217,7 @@ def test_an_idle_target_prefills_a_burst_in_one_step(target_dir: Path) -> None:
     window (here 0.4 s, more than the gap). A lone prompt then waits the gap, not a quarter of
     the window (1 s)."""
     engine = Engine(EngineConfig(model=target_dir, num_pages=256))
-    loop = TargetLoop(
-        engine,
-        status=lambda: status(engine, None),
-        status_interval_s=0.05,
-        admission_window_s=4.0,
-        admission_gap_s=0.25,
-    )
-    reports: queue.Queue[target_pb2.ControlResponse] = queue.Queue()
-    loop.attach(1, reports.put)
-    loop.start()
+    loop, reports = _started_loop(engine, window_s=4.0, gap_s=0.25)
     try:
         committed, _ = _first_step(loop, reports, ["a", "b", "c", "d", "e"], 0.1)
         assert committed == {"a", "b", "c", "d", "e"}
@@ -244,21 +235,29 @@ def test_a_burst_that_fills_a_step_stops_the_wait(target_dir: Path) -> None:
     once: a request arriving later would wait for a later step anyway. Neither the gap nor the
     window (5 s each) is waited out."""
     engine = Engine(EngineConfig(model=target_dir, num_pages=256, max_num_seqs=2))
-    loop = TargetLoop(
-        engine,
-        status=lambda: status(engine, None),
-        status_interval_s=0.05,
-        admission_window_s=5.0,
-        admission_gap_s=5.0,
-    )
-    reports: queue.Queue[target_pb2.ControlResponse] = queue.Queue()
-    loop.attach(1, reports.put)
-    loop.start()
+    loop, reports = _started_loop(engine, window_s=5.0, gap_s=5.0)
     try:
         committed, after = _first_step(loop, reports, ["a", "b"], 0.05)
         assert committed == {"a", "b"} and after < 1.0
     finally:
         loop.stop()
+
+
+def _started_loop(
+    engine: Engine, *, window_s: float, gap_s: float
+) -> tuple[TargetLoop, queue.Queue[target_pb2.ControlResponse]]:
+    """A started TargetLoop with those admission settings, and the queue its stream 1 fills."""
+    loop = TargetLoop(
+        engine,
+        status=lambda: status(engine, None),
+        status_interval_s=0.05,
+        admission_window_s=window_s,
+        admission_gap_s=gap_s,
+    )
+    reports: queue.Queue[target_pb2.ControlResponse] = queue.Queue()
+    loop.attach(1, reports.put)
+    loop.start()
+    return loop, reports
 
 
 def _first_step(

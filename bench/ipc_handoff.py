@@ -1,0 +1,397 @@
+"""What the hand-offs of a speculative cycle between two processes on one GPU cost, and what
+they would cost if they stayed on the device (docs/architecture.md, "Not built yet").
+
+Two processes on one GPU play target and draft. Each cycle the target runs a "verify" CUDA
+graph of about ``--verify-ms`` and the draft a "draft" graph of about ``--draft-ms``:
+matrix-vector products over a 1 GiB bf16 weight, memory-bound as bs-1 decoding is. The target's
+graph writes the message the draft reads (``--features-bytes``, the accepted path's features)
+and the draft's graph writes the tree the target reads next (``--tree-tokens`` ids).
+
+- ``single``: both graphs in one process, one stream, back to back: the floor.
+- ``host``: hand-offs as the services make them: a side waits for its graph (synchronize),
+  copies its message to pinned host memory and writes it to a Unix socket; the other side
+  copies it to the device and replays. (The services add protobuf and Python bookkeeping.)
+- ``ipc``: the messages stay on the device, in buffers the target allocates and the draft maps
+  (CUDA IPC); each side records an interprocess event after its replay and, as soon as that is
+  *enqueued*, sends one byte; the other side enqueues a wait on that event, then its replay.
+  No host waits for the GPU inside a cycle; each side runs at most ``--ahead`` cycles ahead of
+  its GPU (as a real one must, to read what leaves the process).
+
+Prints cycle ms, idle (1 - (verify + draft) / cycle, with each graph timed alone), and the
+cycle over the floor. CUDA only; no pickle crosses the socket, only raw bytes: IPC handles, the
+messages, one-byte notices.
+
+    python bench/ipc_handoff.py [--cycles 300] [--verify-ms 6.2] [--draft-ms 1.1] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROWS, COLS = 32768, 16384  # a 1 GiB bf16 weight: every pass streams it from HBM (L2 is 50 MiB)
+HEADER = struct.Struct("<Q")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--role", choices=["target", "draft"], default="target", help=argparse.SUPPRESS)
+    p.add_argument("--socket", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=["host", "ipc"], help=argparse.SUPPRESS)
+    p.add_argument("--passes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--cycles", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--verify-ms", type=float, default=6.2)
+    p.add_argument("--draft-ms", type=float, default=1.1)
+    p.add_argument("--features-bytes", type=int, default=3 * 3 * 4096 * 2)  # 3 tokens, EAGLE-3
+    p.add_argument("--tree-tokens", type=int, default=4)
+    p.add_argument("--ahead", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("ipc_handoff: needs a CUDA device")
+    torch.cuda.set_device(0)
+    if a.role == "draft":
+        _draft(a)
+        return
+    passes = {side: _passes(ms) for side, ms in (("verify", a.verify_ms), ("draft", a.draft_ms))}
+    alone = {side: _time_alone(Side(n, a)) for side, n in passes.items()}
+    results: dict[str, float] = {"single": _single(a, passes["verify"], passes["draft"])}
+    for mode in ("host", "ipc"):
+        results[mode] = _two_processes(a, mode, passes)
+    work = alone["verify"] + alone["draft"]
+    report = {
+        "device": torch.cuda.get_device_name(0),
+        "verify_ms": alone["verify"],
+        "draft_ms": alone["draft"],
+        "cycle_ms": results,
+        "idle": {mode: 1 - work / ms for mode, ms in results.items()},
+    }
+    if a.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(
+        f"{report['device']}: verify {alone['verify']:.3f} ms ({passes['verify']} passes), "
+        f"draft {alone['draft']:.3f} ms ({passes['draft']}) alone; {a.cycles} cycles a mode"
+    )
+    print(f"{'mode':>8} {'cycle ms':>9} {'idle':>6} {'vs single':>9}")
+    for mode, ms in results.items():
+        print(f"{mode:>8} {ms:9.3f} {1 - work / ms:6.1%} {ms / results['single']:9.3f}")
+
+
+class Side:
+    """One side's graph: ``passes`` matrix-vector products over its own 1 GiB weight, reading
+    ``inbox`` (what the other side wrote) and writing ``outbox`` (what it will read)."""
+
+    def __init__(
+        self,
+        passes: int,
+        a: argparse.Namespace,
+        inbox: torch.Tensor | None = None,
+        outbox: torch.Tensor | None = None,
+    ) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(passes)
+        self.weight = torch.randn(ROWS, COLS, device="cuda", dtype=torch.bfloat16, generator=gen)
+        self.weight.mul_(COLS**-0.5)
+        self.x = torch.zeros(COLS, device="cuda", dtype=torch.bfloat16)
+        self.inbox = (
+            inbox if inbox is not None else torch.zeros(64, device="cuda", dtype=torch.uint8)
+        )
+        self.outbox = (
+            outbox
+            if outbox is not None
+            else torch.zeros(a.features_bytes, device="cuda", dtype=torch.uint8)
+        )
+        self.passes = passes
+        self.graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._body()  # warm-up outside the capture (cuBLAS picks its kernel)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(self.graph):
+            self._body()
+        torch.cuda.synchronize()
+
+    def _body(self) -> None:
+        n = min(self.inbox.numel(), COLS)
+        self.x[:n] += self.inbox[:n].to(torch.bfloat16)  # depends on the other side's message
+        y = self.x
+        for _ in range(self.passes):
+            y = torch.mv(self.weight, y[:COLS])
+        self.x.copy_(y[:COLS] * 1e-3)
+        flat = y.view(torch.uint8)
+        m = min(self.outbox.numel(), flat.numel())
+        self.outbox[:m].copy_(flat[:m])
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def _passes(ms: float) -> int:
+    """How many 1 GiB passes take about ``ms`` (one timed alone)."""
+    one = _time_alone(_Probe())
+    return max(1, round(ms / one))
+
+
+class _Probe:
+    def __init__(self) -> None:
+        self.weight = torch.randn(ROWS, COLS, device="cuda", dtype=torch.bfloat16)
+        self.x = torch.randn(COLS, device="cuda", dtype=torch.bfloat16)
+
+    def replay(self) -> None:
+        torch.mv(self.weight, self.x)
+
+
+def _time_alone(side: Side | _Probe, reps: int = 50) -> float:
+    """Median ms of one replay, the GPU doing nothing else."""
+    for _ in range(5):
+        side.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        side.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _single(a: argparse.Namespace, verify_passes: int, draft_passes: int) -> float:
+    """Both graphs in this process, back to back on one stream: ms per cycle."""
+    tree = torch.zeros(a.tree_tokens * 8, device="cuda", dtype=torch.uint8)
+    features = torch.zeros(a.features_bytes, device="cuda", dtype=torch.uint8)
+    verify = Side(verify_passes, a, inbox=tree, outbox=features)
+    draft = Side(draft_passes, a, inbox=features, outbox=tree)
+
+    def cycle() -> None:
+        verify.replay()
+        draft.replay()
+
+    return _timed(a, cycle, lambda: None)
+
+
+def _timed(a: argparse.Namespace, cycle: Callable[[], None], done: Callable[[], None]) -> float:
+    for _ in range(a.warmup):
+        cycle()
+    done()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(a.cycles):
+        cycle()
+    done()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / a.cycles
+
+
+# -- two processes ---------------------------------------------------------------------------
+
+
+def _two_processes(a: argparse.Namespace, mode: str, passes: dict[str, int]) -> float:
+    """The target here, the draft in a child process: ms per cycle."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "handoff.sock"
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(str(path))
+        server.listen(1)
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                *("--role", "draft", "--socket", str(path), "--mode", mode),
+                *("--cycles", str(a.cycles), "--warmup", str(a.warmup)),
+                *("--passes", str(passes["draft"]), "--features-bytes", str(a.features_bytes)),
+                *("--tree-tokens", str(a.tree_tokens), "--ahead", str(a.ahead)),
+            ]
+        )
+        try:
+            server.settimeout(120)
+            conn, _ = server.accept()
+            conn.settimeout(None)
+            with conn:
+                _buffers(conn)
+                return _target(a, mode, conn, passes["verify"])
+        finally:
+            child.wait(timeout=120)
+            server.close()
+
+
+def _target(a: argparse.Namespace, mode: str, conn: socket.socket, passes: int) -> float:
+    tree = torch.zeros(a.tree_tokens * 8, device="cuda", dtype=torch.uint8)
+    features = torch.zeros(a.features_bytes, device="cuda", dtype=torch.uint8)
+    if mode == "ipc":
+        # The draft maps both buffers and records its own event; one notice each way a cycle.
+        mine = torch.cuda.Event(interprocess=True)
+        mine.record()
+        for item in (*_share(features), *_share(tree), mine.ipc_handle()):
+            _send(conn, item)
+        theirs = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), _recv(conn))
+    verify = Side(passes, a, inbox=tree, outbox=features)
+    _send(conn, b"ready")
+    assert _recv(conn) == b"ready"
+    if mode == "host":
+        out_host = torch.empty(a.features_bytes, dtype=torch.uint8).pin_memory()
+        in_host = torch.empty(tree.numel(), dtype=torch.uint8).pin_memory()
+
+        def cycle() -> None:
+            verify.replay()
+            out_host.copy_(features, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            _send(conn, out_host.numpy().tobytes())
+            _recv_into(conn, in_host)
+            tree.copy_(in_host, non_blocking=True)
+
+        return _timed(a, cycle, lambda: None)
+    pacer = _Pacer(a.ahead)
+
+    def cycle_ipc() -> None:
+        pacer.wait()
+        verify.replay()
+        mine.record()
+        conn.sendall(b"v")
+        _exactly(conn, 1)
+        torch.cuda.current_stream().wait_event(theirs)
+        pacer.mark()
+
+    return _timed(a, cycle_ipc, lambda: None)
+
+
+def _draft(a: argparse.Namespace) -> None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(a.socket))
+    _buffers(conn)
+    passes = a.passes
+    total = a.warmup + a.cycles  # as the target's _timed runs them
+    if a.mode == "ipc":
+        features = _mapped(*(_recv(conn) for _ in range(4)))
+        tree = _mapped(*(_recv(conn) for _ in range(4)))
+        theirs = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), _recv(conn))
+        mine = torch.cuda.Event(interprocess=True)
+        mine.record()
+        _send(conn, mine.ipc_handle())
+        draft = Side(passes, a, inbox=features, outbox=tree)
+        _send(conn, b"ready")
+        assert _recv(conn) == b"ready"
+        pacer = _Pacer(a.ahead)
+        for _ in range(total):
+            _exactly(conn, 1)
+            pacer.wait()
+            torch.cuda.current_stream().wait_event(theirs)
+            draft.replay()
+            mine.record()
+            conn.sendall(b"d")
+            pacer.mark()
+    else:
+        features = torch.zeros(a.features_bytes, device="cuda", dtype=torch.uint8)
+        tree = torch.zeros(a.tree_tokens * 8, device="cuda", dtype=torch.uint8)
+        draft = Side(passes, a, inbox=features, outbox=tree)
+        in_host = torch.empty(a.features_bytes, dtype=torch.uint8).pin_memory()
+        out_host = torch.empty(tree.numel(), dtype=torch.uint8).pin_memory()
+        _send(conn, b"ready")
+        assert _recv(conn) == b"ready"
+        for _ in range(total):
+            _recv_into(conn, in_host)
+            features.copy_(in_host, non_blocking=True)
+            draft.replay()
+            out_host.copy_(tree, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            _send(conn, out_host.numpy().tobytes())
+    torch.cuda.synchronize()
+    conn.close()
+
+
+class _Pacer:
+    """Keeps the host at most ``ahead`` cycles ahead of its GPU (an event per cycle)."""
+
+    def __init__(self, ahead: int) -> None:
+        self.ahead = ahead
+        self.events: list[torch.cuda.Event] = []
+
+    def wait(self) -> None:
+        if len(self.events) >= self.ahead:
+            self.events.pop(0).synchronize()
+
+    def mark(self) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self.events.append(event)
+
+
+# -- CUDA IPC and the socket -----------------------------------------------------------------
+
+
+def _share(tensor: torch.Tensor) -> list[bytes]:
+    """What another process needs to map ``tensor`` (a whole storage): torch's own CUDA IPC
+    description, as torch.multiprocessing sends it, but as raw bytes, no pickle."""
+    assert tensor.storage_offset() == 0 and tensor.dtype == torch.uint8
+    device, handle, size, offset, counter, counter_offset, event, sync = (
+        tensor.untyped_storage()._share_cuda_()
+    )
+    return [
+        struct.pack("<qQQQ?", device, size, offset, counter_offset, sync),
+        handle,
+        counter,
+        event,
+    ]
+
+
+def _mapped(numbers: bytes, handle: bytes, counter: bytes, event: bytes) -> torch.Tensor:
+    """A uint8 tensor over a storage another process described with :func:`_share`."""
+    device, size, offset, counter_offset, sync = struct.unpack("<qQQQ?", numbers)
+    storage = torch.UntypedStorage._new_shared_cuda(
+        device, handle, size, offset, counter, counter_offset, event, sync
+    )
+    return torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage)
+
+
+def _buffers(conn: socket.socket) -> None:
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+
+
+def _send(conn: socket.socket, payload: bytes) -> None:
+    conn.sendall(HEADER.pack(len(payload)) + payload)
+
+
+def _recv(conn: socket.socket) -> bytes:
+    (n,) = HEADER.unpack(_exactly(conn, HEADER.size))
+    return _exactly(conn, n)
+
+
+def _recv_into(conn: socket.socket, host: torch.Tensor) -> None:
+    (n,) = HEADER.unpack(_exactly(conn, HEADER.size))
+    if n != host.numel():
+        raise ValueError(f"expected {host.numel()} bytes, got {n}")
+    view = host.numpy().data.cast("B")
+    got = 0
+    while got < n:
+        k = conn.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError("peer closed")
+        got += k
+
+
+def _exactly(conn: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = conn.recv(n - got)
+        if not chunk:
+            raise ConnectionError("peer closed")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+if __name__ == "__main__":
+    main()
