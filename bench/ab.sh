@@ -7,8 +7,8 @@
 #
 # On the device machine, from the repo root: the base tree's rows, then the working tree's, the
 # pair twice (AB_ROUNDS pairs, to split a long A/B over calls); extra arguments go to both
-# trees' bench/gpu_bench.sh (e.g. --modes spec,k0 --batch-sizes 1,8). Each run's table goes
-# to $OUT/ab-<tree>-<round>/bench.txt.
+# trees' bench/gpu_bench.sh (e.g. --modes spec,k0 --batch-sizes 1,8). Each run's files go to
+# ab-<tree>-<round>/ (bench.txt, bench.json, service-logs.tgz, plots/) in $OUT/ab.tgz.
 #
 #   bash bench/ab.sh run --modes spec,k0 --batch-sizes 1,8
 set -uo pipefail
@@ -38,6 +38,8 @@ case "${1:-}" in
         sed -n '/mode   bs/,/^times in ms/p' "$OUT/ab-$tree-$round/bench.txt" | grep -v '^times'
       done
     done
+    # One archive of every run's files: the device tool returns at most 8 files from $OUT.
+    (cd "$OUT" && tar czf ab.tgz ab-* && rm -rf ab-*)
     exit $rc
     ;;
   *)

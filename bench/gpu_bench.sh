@@ -5,7 +5,8 @@
 # `tandem bench` (e.g. --simulate-accept-length 2.5). On the device machine, from the repo root
 # (carry ".whl"; bench/device_wheels.sh makes it):
 #
-#   bash bench/gpu_bench.sh            -> $OUT/bench.json, $OUT/bench.txt, $OUT/plots/*.png
+#   bash bench/gpu_bench.sh            -> $OUT/bench.json, $OUT/bench.txt, $OUT/plots/*.png,
+#                                         $OUT/service-logs.tgz
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 MODELS=${MODELS:-/tmp/tandem-bench-models}
@@ -23,5 +24,10 @@ timeout -s INT -k 15 "${BENCH_TIMEOUT:-565}" python3 bench/speculative.py \
   --log-dir "$OUT/service-logs" --plot "$OUT/plots" --json "$@" \
   > "$OUT/bench.json" 2> "$OUT/bench.txt"
 rc=$?
+# The device tool returns at most 8 files from $OUT, none more than two folders down: the
+# services' logs, step logs and profiles go back as one archive (KEEP_LOGS=1 keeps the folder).
+if [ -d "$OUT/service-logs" ] && [ "${KEEP_LOGS:-0}" != 1 ]; then
+  tar czf "$OUT/service-logs.tgz" -C "$OUT" service-logs && rm -rf "$OUT/service-logs"
+fi
 cat "$OUT/bench.txt"
 exit $rc
