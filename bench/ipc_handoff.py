@@ -65,8 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     if a.role == "draft":
         _draft(a)
         return
-    passes = {side: _passes(ms) for side, ms in (("verify", a.verify_ms), ("draft", a.draft_ms))}
-    alone = {side: _time_alone(Side(n, a)) for side, n in passes.items()}
+    one = _time_alone(_Probe())  # ms of one 1 GiB pass
+    passes = {
+        side: max(1, round(ms / one))
+        for side, ms in (("verify", a.verify_ms), ("draft", a.draft_ms))
+    }
+    alone = {side: _time_alone(Side(n, *_messages(a))) for side, n in passes.items()}
     results: dict[str, float] = {"single": _single(a, passes["verify"], passes["draft"])}
     for mode in ("host", "ipc"):
         results[mode] = _two_processes(a, mode, passes)
@@ -94,25 +98,12 @@ class Side:
     """One side's graph: ``passes`` matrix-vector products over its own 1 GiB weight, reading
     ``inbox`` (what the other side wrote) and writing ``outbox`` (what it will read)."""
 
-    def __init__(
-        self,
-        passes: int,
-        a: argparse.Namespace,
-        inbox: torch.Tensor | None = None,
-        outbox: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, passes: int, inbox: torch.Tensor, outbox: torch.Tensor) -> None:
         gen = torch.Generator(device="cuda").manual_seed(passes)
         self.weight = torch.randn(ROWS, COLS, device="cuda", dtype=torch.bfloat16, generator=gen)
         self.weight.mul_(COLS**-0.5)
         self.x = torch.zeros(COLS, device="cuda", dtype=torch.bfloat16)
-        self.inbox = (
-            inbox if inbox is not None else torch.zeros(64, device="cuda", dtype=torch.uint8)
-        )
-        self.outbox = (
-            outbox
-            if outbox is not None
-            else torch.zeros(a.features_bytes, device="cuda", dtype=torch.uint8)
-        )
+        self.inbox, self.outbox = inbox, outbox
         self.passes = passes
         self.graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
@@ -139,12 +130,6 @@ class Side:
         self.graph.replay()
 
 
-def _passes(ms: float) -> int:
-    """How many 1 GiB passes take about ``ms`` (one timed alone)."""
-    one = _time_alone(_Probe())
-    return max(1, round(ms / one))
-
-
 class _Probe:
     def __init__(self) -> None:
         self.weight = torch.randn(ROWS, COLS, device="cuda", dtype=torch.bfloat16)
@@ -169,12 +154,19 @@ def _time_alone(side: Side | _Probe, reps: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _single(a: argparse.Namespace, verify_passes: int, draft_passes: int) -> float:
-    """Both graphs in this process, back to back on one stream: ms per cycle."""
+def _messages(a: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two messages of a cycle on the device: the tree (target's inbox) and the accepted
+    path's features (the draft's)."""
     tree = torch.zeros(a.tree_tokens * 8, device="cuda", dtype=torch.uint8)
     features = torch.zeros(a.features_bytes, device="cuda", dtype=torch.uint8)
-    verify = Side(verify_passes, a, inbox=tree, outbox=features)
-    draft = Side(draft_passes, a, inbox=features, outbox=tree)
+    return tree, features
+
+
+def _single(a: argparse.Namespace, verify_passes: int, draft_passes: int) -> float:
+    """Both graphs in this process, back to back on one stream: ms per cycle."""
+    tree, features = _messages(a)
+    verify = Side(verify_passes, inbox=tree, outbox=features)
+    draft = Side(draft_passes, inbox=features, outbox=tree)
 
     def cycle() -> None:
         verify.replay()
@@ -229,8 +221,7 @@ def _two_processes(a: argparse.Namespace, mode: str, passes: dict[str, int]) -> 
 
 
 def _target(a: argparse.Namespace, mode: str, conn: socket.socket, passes: int) -> float:
-    tree = torch.zeros(a.tree_tokens * 8, device="cuda", dtype=torch.uint8)
-    features = torch.zeros(a.features_bytes, device="cuda", dtype=torch.uint8)
+    tree, features = _messages(a)
     if mode == "ipc":
         # The draft maps both buffers and records its own event; one notice each way a cycle.
         mine = torch.cuda.Event(interprocess=True)
@@ -238,7 +229,7 @@ def _target(a: argparse.Namespace, mode: str, conn: socket.socket, passes: int) 
         for item in (*_share(features), *_share(tree), mine.ipc_handle()):
             _send(conn, item)
         theirs = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), _recv(conn))
-    verify = Side(passes, a, inbox=tree, outbox=features)
+    verify = Side(passes, inbox=tree, outbox=features)
     _send(conn, b"ready")
     assert _recv(conn) == b"ready"
     if mode == "host":
@@ -281,7 +272,7 @@ def _draft(a: argparse.Namespace) -> None:
         mine = torch.cuda.Event(interprocess=True)
         mine.record()
         _send(conn, mine.ipc_handle())
-        draft = Side(passes, a, inbox=features, outbox=tree)
+        draft = Side(passes, inbox=features, outbox=tree)
         _send(conn, b"ready")
         assert _recv(conn) == b"ready"
         pacer = _Pacer(a.ahead)
@@ -294,9 +285,8 @@ def _draft(a: argparse.Namespace) -> None:
             conn.sendall(b"d")
             pacer.mark()
     else:
-        features = torch.zeros(a.features_bytes, device="cuda", dtype=torch.uint8)
-        tree = torch.zeros(a.tree_tokens * 8, device="cuda", dtype=torch.uint8)
-        draft = Side(passes, a, inbox=features, outbox=tree)
+        tree, features = _messages(a)
+        draft = Side(passes, inbox=features, outbox=tree)
         in_host = torch.empty(a.features_bytes, dtype=torch.uint8).pin_memory()
         out_host = torch.empty(tree.numel(), dtype=torch.uint8).pin_memory()
         _send(conn, b"ready")
