@@ -27,6 +27,7 @@ from tandem import ahead
 from tandem.clock import StepTiming, StreamClock
 from tandem.config import EngineConfig
 from tandem.engine_ahead import MAX_LANES, AheadSteps
+from tandem.engine_chain import ChainSteps
 from tandem.errors import InvalidRequest
 from tandem.graphs import graph_widths
 from tandem.kv import KVCache, KVCacheSpec
@@ -37,6 +38,7 @@ from tandem.sampling import SamplingParams, make_generator
 from tandem.scheduler import ScheduledBatch, Scheduler
 from tandem.spec.base import Drafter
 from tandem.spec.build import enable_draft_graphs
+from tandem.spec.device_chain import DeviceChain, unsupported
 from tandem.spec.exchange import DraftExchange
 from tandem.spec.policy import NeverSpeculate, SpecPolicy
 from tandem.spec.simulate import AcceptSimulator
@@ -61,7 +63,7 @@ class GenerationResult:
     stats: SpecStats
 
 
-class Engine(AheadSteps):
+class Engine(AheadSteps, ChainSteps):
     """Batches ragged requests through prefill (chunked) and decode, speculating when given a
     drafter."""
 
@@ -159,6 +161,26 @@ class Engine(AheadSteps):
         self.ahead_steps = 0  # steps launched before the last one was read
         self._ahead_wait_ns = 0  # the last read's wait for the device
         self._last_step_end: int | None = None  # perf_counter_ns when the last step returned
+        self.chain: DeviceChain | None = None  # speculative steps launched ahead (device_chain)
+        if config.device_chain:
+            self.enable_device_chain()
+
+    def enable_device_chain(self) -> DeviceChain:
+        """Runs steady greedy chain speculation as device-chain steps
+        (``tandem/spec/device_chain.py``); ValueError says why this engine cannot."""
+        problem = unsupported(self.drafter, self.spec, self.runner.graphs)
+        if problem or self.drafter is None or self.spec is None:
+            raise ValueError(f"device_chain: {problem}")
+        assert self.runner.graphs is not None
+        self.chain = DeviceChain(
+            target=self.runner.graphs,
+            kv=self.kv,
+            drafter=self.drafter,  # type: ignore[arg-type]
+            spec=self.spec,
+            simulator=self.simulator,
+            max_model_len=self.max_model_len,
+        )
+        return self.chain
 
     def _num_pages(self, spec: KVCacheSpec) -> int:
         c = self.config
@@ -276,6 +298,12 @@ class Engine(AheadSteps):
         # meanwhile, steps the policy does not measure.
         ingesting = speculate and exchange is not None and exchange.ingesting()
         speculate = speculate and not ingesting
+        chain = self.chain
+        if chain is not None and chain.active:
+            reason = chain.stop_reason(self.scheduler) if speculate else "K=0 (policy or ingest)"
+            if not reason:
+                return self._chain_step(policy_batch, started)
+            return self._drain_chain(started, reason)  # the ordinary step runs at the next call
         if not speculate and self.config.overlap:
             reqs = ahead.next_requests(
                 self.scheduler,
@@ -298,6 +326,11 @@ class Engine(AheadSteps):
         if exchange is not None and speculate:
             exchange.collect_idle(lanes)
             exchange.collect(lane)
+            if chain is not None and self._chain_ready(lanes, lane):
+                chained = self._start_chain(policy_batch, started)
+                if chained is not None:
+                    self.last_lane = lane
+                    return chained
         elif exchange is not None:
             # K=0: every lane steps at once (lanes pay only while a draft drafts beside the
             # target), never waiting on the draft; a merged step reports its sending lane.
@@ -355,6 +388,20 @@ class Engine(AheadSteps):
                 ingesting=ingesting,
             )
         return results
+
+    def _chain_ready(self, lanes: set[int], lane: int) -> bool:
+        """Whether a device-chain run may start now: one lane, the draft holding nothing back
+        and owing no answer, no decode step in flight, the requests in the steady state."""
+        exchange, chain = self.exchange, self.chain
+        return (
+            chain is not None
+            and exchange is not None
+            and lanes == {lane}
+            and self.in_flight is None
+            and not exchange.awaiting
+            and not exchange.catching_up
+            and chain.can_start(self.scheduler)
+        )
 
     def _verify(
         self, batch: ScheduledBatch, inputs: ModelInputs, outputs: ModelOutputs

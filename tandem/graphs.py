@@ -289,6 +289,36 @@ class TargetGraphRunner:
         features = None if self._features is None else self._features.index_select(0, rows)
         return logits, features
 
+    # -- device-written steps (tandem/spec/device_chain.py) -----------------------------------
+
+    def stage(self, batch: GraphBatch) -> None:
+        """Stages ``batch`` into its bucket without running it: a caller that then writes the
+        per-step inputs on the device (``buffers``) and replays (``replay``)."""
+        self._stage(self._entries[batch.bucket], batch)
+
+    def buffers(self, bucket: Bucket) -> _Entry:
+        """The bucket's static input views (ids, positions, its ``GraphMetadata``)."""
+        return self._entries[bucket]
+
+    @torch.inference_mode()
+    def replay(self, bucket: Bucket) -> None:
+        """Runs the bucket on its static inputs as they are; the outputs stay in ``logits``
+        and ``features`` (rows ``i * width + node``) until the next run."""
+        entry = self._entries[bucket]
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            self._forward(entry)
+        self.replays[bucket] = self.replays.get(bucket, 0) + 1
+
+    @property
+    def logits(self) -> torch.Tensor:  # [max_tokens, vocab] float32
+        return self._logits
+
+    @property
+    def features(self) -> torch.Tensor | None:  # [max_tokens, F]
+        return self._features
+
     def _forward(self, entry: _Entry) -> None:
         """The captured region: the model over the bucket's static inputs, outputs into the
         runner's buffers. Reads the inputs, writes KV of real rows and the outputs, no more."""

@@ -66,10 +66,12 @@ def build_engine(
     spec_policy: str = "fixed",
     overlap: bool = True,
     drafter: Drafter | None = None,
+    device_chain: bool = False,
 ) -> Engine:
     """An engine over ``model`` (loaded from ``target`` when None), speculating with
     ``spec`` through ``drafter`` (default: the in-process drafter of ``draft``); ``overlap``
-    decodes ahead (``tandem.ahead``)."""
+    decodes ahead (``tandem.ahead``), ``device_chain`` runs steady chain speculation as
+    device-chain steps (``tandem/spec/device_chain.py``; needs CUDA graphs)."""
     config = EngineConfig(
         model=target,
         dtype=dtype,
@@ -80,6 +82,7 @@ def build_engine(
         simulate_accept_length=simulate_accept_length if spec is not None else None,
         spec_policy=spec_policy if spec is not None else "fixed",
         overlap=overlap,
+        device_chain=device_chain,
     )
     if spec is not None and drafter is None:
         draft_config = DraftConfig(

@@ -13,6 +13,7 @@ MODES = (
     "target-only",
     "target-sync",
     "spec",
+    "spec-chain",
     "k0",
     "services",
     "services-control",

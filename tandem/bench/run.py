@@ -27,7 +27,16 @@ from tandem.spec.types import SpecConfig
 
 logger = logging.getLogger(__name__)
 
-ALL_MODES = ("target-only", "target-sync", "spec", "k0", "services", "services-grpc", "hf")
+ALL_MODES = (
+    "target-only",
+    "target-sync",
+    "spec",
+    "spec-chain",
+    "k0",
+    "services",
+    "services-grpc",
+    "hf",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +118,7 @@ def run_bench(
     rows: list[Row] = []
     speculative = config.draft is not None
     if {"target-only", "target-sync"} & set(config.modes) or (
-        {"spec", "k0"} & set(config.modes) and speculative
+        {"spec", "spec-chain", "k0"} & set(config.modes) and speculative
     ):
         rows += _in_process(config, say)
     if "services" in config.modes and speculative:
@@ -170,16 +179,22 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
     say(f"loading {config.target} in process")
     model = load_model(config.target, dtype=DTYPES[config.dtype], device=config.device)
     rows = []
-    plans: list[tuple[str, SpecConfig | None, str, bool]] = []  # mode, spec, policy, overlap
+    # mode, spec, policy, overlap, device chain
+    plans: list[tuple[str, SpecConfig | None, str, bool, bool]] = []
     if "target-only" in config.modes:
-        plans.append(("target-only", None, "fixed", True))
+        plans.append(("target-only", None, "fixed", True, False))
     if "target-sync" in config.modes:  # every step read before the next launch
-        plans.append(("target-sync", None, "fixed", False))
+        plans.append(("target-sync", None, "fixed", False, False))
     if "spec" in config.modes and config.draft is not None:
-        plans.append(("spec", config.spec, config.spec_policy, True))
+        plans.append(("spec", config.spec, config.spec_policy, True, False))
+    if "spec-chain" in config.modes and config.draft is not None:
+        plans.append(("spec-chain", config.spec, config.spec_policy, True, True))
     if "k0" in config.modes and config.draft is not None:
-        plans.append(("k0", config.spec, "k0", True))  # the draft attached, every step K=0
-    for mode, spec, policy, overlap in plans:
+        plans.append(("k0", config.spec, "k0", True, False))  # the draft attached, K=0 always
+    for mode, spec, policy, overlap, device_chain in plans:
+        if device_chain and not config.device.startswith("cuda"):
+            rows.append(Row(mode=mode, batch_size=0, note="skipped: needs CUDA graphs"))
+            continue
         engine = inprocess.build_engine(
             config.target,
             config.draft,
@@ -193,6 +208,7 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
             model=model,
             spec_policy=policy,
             overlap=overlap,
+            device_chain=device_chain,
         )
         serving.freeze_heap()  # as the services do once loaded: no full collection walks it
         for bs in config.batch_sizes:

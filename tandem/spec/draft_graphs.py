@@ -109,7 +109,7 @@ class DraftGraphRunner:
         self.replays: dict[tuple[str, Bucket], int] = {}  # ("loop" | "extend", bucket) -> runs
         self.eager_steps = 0  # chain batches sent to the host path (context, room, pages)
         for s in sorted(set(num_steps)):
-            self._add_steps(s)
+            self.ensure_steps(s)
 
     @staticmethod
     def supports(drafter: ModelDrafter) -> bool:
@@ -142,7 +142,7 @@ class DraftGraphRunner:
         if plan is None:
             self.eager_steps += 1
             return None
-        self._add_steps(num_steps)
+        self.ensure_steps(num_steps)
         entry = self.loops[Bucket(bs, num_steps + 1)]
         started = time.perf_counter_ns()
         for m, total in enumerate(schedule.totals):
@@ -151,7 +151,7 @@ class DraftGraphRunner:
         self.static.stage(entry, plan.values(entry, d.kvs))
         for m in schedule.roots:
             self.last_in[m][: len(seqs)].copy_(torch.stack([s.last_out[m] for s in seqs]))  # type: ignore[misc]
-        self._replay("loop", entry)
+        self.replay("loop", entry)
         ids, _, valid = entry.result[:, : len(seqs)].tolist()
         d.model_ns += time.perf_counter_ns() - started
         trees = {}
@@ -224,7 +224,7 @@ class DraftGraphRunner:
         plan = plan_extend(d, ids, starts, num_steps + 1, self._max_pages(num_steps))
         if plan is None:
             return updates
-        self._add_steps(num_steps)
+        self.ensure_steps(num_steps)
         entry = self.extends[Bucket(bs, num_steps + 1)]
         started = time.perf_counter_ns()
         for m, counts in enumerate(plan.counts):
@@ -239,7 +239,7 @@ class DraftGraphRunner:
             for i, old in enumerate(olds):
                 if old is not None:
                     self.last_in[m][i].copy_(old)
-        self._replay("extend", entry)
+        self.replay("extend", entry)
         news = [buf[: len(ids)].clone() for buf in self.last_out]
         d.model_ns += time.perf_counter_ns() - started
         for m, counts in enumerate(plan.counts):
@@ -276,7 +276,7 @@ class DraftGraphRunner:
         longest = -(-(self.max_model_len + num_steps + 1) // kvs[0].spec.page_size)
         return min(longest, *(kv.allocator.num_pages for kv in kvs))
 
-    def _add_steps(self, num_steps: int) -> None:
+    def ensure_steps(self, num_steps: int) -> None:
         """Buckets for S = ``num_steps`` (and, with graphs, their capture), once."""
         if num_steps in self.steps:
             return
@@ -338,7 +338,8 @@ class DraftGraphRunner:
         else:
             self._extend_forward(entry)
 
-    def _replay(self, kind: str, entry: LoopEntry | ExtendEntry) -> None:
+    def replay(self, kind: str, entry: LoopEntry | ExtendEntry) -> None:
+        """Runs ``entry`` (of ``kind``: "loop" or "extend") on its static inputs as they are."""
         if entry.graph is not None:
             entry.graph.replay()
         else:

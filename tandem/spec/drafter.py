@@ -179,6 +179,10 @@ class ModelDrafter(Drafter):
             return {}
         return self._draft(ids)
 
+    def release(self, request_id: str) -> None:
+        """Forgets ``request_id`` and frees its KV (unknown ids are ignored)."""
+        self._release(request_id)
+
     def _release(self, request_id: str) -> None:
         if self.seqs.pop(request_id, None) is not None:
             for kv in self.kvs:

@@ -1,0 +1,107 @@
+"""The engine's device-chain steps (the rules are in ``tandem/spec/device_chain.py``): a run
+of speculative chain steps, each launched before the last one is read.
+
+``ChainSteps`` is a part of ``Engine`` (its base class, beside ``AheadSteps``) kept in its own
+file: it works on the engine's state, declared below as the engine provides it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tandem.clock import StepTiming
+from tandem.request import RequestOutput
+from tandem.scheduler import ScheduledBatch, Scheduler
+from tandem.spec.device_chain import ChainRead, DeviceChain
+from tandem.spec.policy import SpecPolicy
+from tandem.spec.types import SpecStats
+
+
+class ChainSteps:
+    """``Engine``'s steps through a ``DeviceChain``."""
+
+    # The engine's state these steps use (tandem/engine.py sets it).
+    chain: DeviceChain | None
+    scheduler: Scheduler
+    policy: SpecPolicy | None
+    last_speculated: bool
+    last_stats: SpecStats
+    last_timing: StepTiming
+
+    def _policy_ns(self, started: int) -> int:
+        raise NotImplementedError
+
+    def _chain_step(self, policy_batch: int, started: int) -> list[RequestOutput]:
+        """Launches the run's next step, reads the oldest unread one and commits it; a run
+        that cannot launch (a pool is full) or whose request finished ends here."""
+        chain = self.chain
+        assert chain is not None and chain.active
+        launched = chain.launch()
+        waited = time.perf_counter_ns()
+        self.last_stats = SpecStats()
+        outputs = self._commit_chain(chain.read())
+        wait_ns = time.perf_counter_ns() - waited
+        self.last_speculated = True
+        reason = chain.stop_reason(self.scheduler) if launched else "a KV pool is full"
+        if reason:
+            outputs = _merge(outputs + self._end_chain(reason))
+        self.last_timing = StepTiming(total_ns=time.perf_counter_ns() - started, forward_ns=wait_ns)
+        if self.policy is not None:
+            committed = sum(len(out.new_token_ids) for out in outputs)
+            self.policy.record(policy_batch, committed, self._policy_ns(started))
+        return outputs
+
+    def _start_chain(self, policy_batch: int, started: int) -> list[RequestOutput] | None:
+        """Starts a run with the running requests' trees (None when the pools cannot hold
+        it: the ordinary step goes on) and steps it once."""
+        chain = self.chain
+        assert chain is not None
+        if not chain.start(list(self.scheduler.running)):
+            return None
+        return self._chain_step(policy_batch, started)
+
+    def _drain_chain(self, started: int, reason: str) -> list[RequestOutput]:
+        """Reads every unread step of the run and ends it; the ordinary step runs at the next
+        call."""
+        self.last_stats = SpecStats()
+        outputs = _merge(self._end_chain(reason))
+        self.last_timing = StepTiming(total_ns=time.perf_counter_ns() - started)
+        return outputs
+
+    def _end_chain(self, reason: str) -> list[RequestOutput]:
+        chain = self.chain
+        assert chain is not None
+        outputs: list[RequestOutput] = []
+        while chain.unread:
+            outputs += self._commit_chain(chain.read())
+        chain.end(reason)
+        return outputs
+
+    def _commit_chain(self, reads: list[ChainRead]) -> list[RequestOutput]:
+        """A read step's tokens and statistics (its KV progress is the chain's)."""
+        for read in reads:
+            for stats in (read.request.stats, self.last_stats):
+                stats.record(read.drafted, read.accepted)
+        batch = ScheduledBatch(
+            requests=[r.request for r in reads], num_new_tokens=[len(r.new_tokens) for r in reads]
+        )
+        return self.scheduler.postprocess(
+            batch, [r.new_tokens for r in reads], [r.logprobs for r in reads]
+        )
+
+
+def _merge(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request: the tokens of several read steps, in order."""
+    merged: dict[str, RequestOutput] = {}
+    for out in outputs:
+        seen = merged.get(out.request_id)
+        if seen is not None:
+            out = RequestOutput(
+                request_id=out.request_id,
+                new_token_ids=seen.new_token_ids + out.new_token_ids,
+                new_logprobs=seen.new_logprobs + out.new_logprobs,
+                finished=out.finished,
+                finish_reason=out.finish_reason,
+            )
+        merged[out.request_id] = out
+    return list(merged.values())

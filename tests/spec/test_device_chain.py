@@ -1,0 +1,187 @@
+"""Device-chain steps (``tandem/spec/device_chain.py``): speculative chain steps launched
+before the last verdict is read, with every per-step input written on the device.
+
+On CPU the target and draft buckets run eagerly on their static buffers (Triton interpreted);
+with CUDA (the ``gpu`` tests) they are captured graphs. Greedy output must equal target-only
+output while requests arrive and finish (runs start and end many times, batches pad), both KV
+pools must end empty, and a run's host state at its end must be what the ordinary path builds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: import first
+
+# isort: split
+from kernels.attention import _tree_attention_kernel
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.graphs import graph_widths
+from tandem.sampling import SamplingParams
+from tandem.spec.types import SpecConfig
+from tests.driving import Arrival, arrivals, drive
+from tests.spec.conftest import VOCAB, Checkpoints
+from tests.spec.test_draft_graphs import make_drafter
+
+check_mode(_tree_attention_kernel)
+
+BATCH_SIZES = (1, 2, 4)
+# A request alone first (a long run), then arrivals that end runs and pad batches.
+PLAN = [
+    Arrival(step=0, prompt=[5, 9, 17, 4, 250, 31], max_new_tokens=56),
+    *(
+        Arrival(step=a.step + 10, prompt=a.prompt, max_new_tokens=a.max_new_tokens)
+        for a in arrivals(3, VOCAB, every=8, new_tokens=(6, 36), seed=3)
+    ),
+]
+
+
+def chain_engine(
+    ckpts: Checkpoints,
+    kind: str,
+    num_steps: int,
+    *,
+    page_size: int = 4,
+    simulate: float | None = None,
+    capture: bool = False,
+) -> Engine:
+    drafter = make_drafter(ckpts, kind, str(DEVICE), page_size, 2048 // page_size)
+    config = EngineConfig(
+        model=ckpts.target,
+        device=str(DEVICE),
+        page_size=page_size,
+        num_pages=4096 // page_size,
+        max_num_seqs=max(BATCH_SIZES),
+        max_model_len=128,  # page tables (and interpreted attention's splits) stay small
+        cuda_graphs=capture,
+        cuda_graph_batch_sizes=BATCH_SIZES,
+        simulate_accept_length=simulate,
+        device_chain=capture,
+    )
+    engine = Engine(config, drafter=drafter, spec=SpecConfig(num_steps=num_steps, topk=1))
+    if not capture:  # the same buffers and buckets, run eagerly
+        engine.runner.enable_graphs(
+            batch_sizes=BATCH_SIZES,
+            widths=graph_widths(num_steps + 1),
+            max_model_len=engine.max_model_len,
+            capture_layers=drafter.target_layer_ids,
+            capture=False,
+        )
+        drafter.enable_graphs(
+            batch_sizes=BATCH_SIZES,
+            max_model_len=engine.max_model_len,
+            num_steps=(num_steps,),
+            capture=False,
+        )
+        engine.enable_device_chain()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def reference(ckpts: Checkpoints) -> list[list[int]]:
+    """Target-only greedy outputs of ``PLAN``."""
+    config = EngineConfig(model=ckpts.target, device=str(DEVICE), num_pages=256, cuda_graphs=False)
+    return drive(Engine(config), PLAN)[0]
+
+
+def reference_tokens(ckpts: Checkpoints, prompt: list[int], num: int) -> list[int]:
+    """Target-only greedy continuation of ``prompt``."""
+    config = EngineConfig(model=ckpts.target, device=str(DEVICE), num_pages=64, cuda_graphs=False)
+    params = SamplingParams(max_new_tokens=num, ignore_eos=True)
+    return Engine(config).generate([prompt], params)[0].token_ids
+
+
+def check_pools_empty(engine: Engine) -> None:
+    drafter = engine.drafter
+    assert drafter is not None and drafter.num_tracked() == 0
+    for kv in getattr(drafter, "kvs"):  # noqa: B009
+        assert kv.allocator.num_free_pages == kv.allocator.num_pages, "draft KV leaked"
+
+
+@pytest.mark.parametrize(("kind", "num_steps"), [("eagle3", 3), ("eagle", 5)])
+def test_device_chain_output_equals_target_only(
+    ckpts: Checkpoints, reference: list[list[int]], kind: str, num_steps: int
+) -> None:
+    engine = chain_engine(ckpts, kind, num_steps)
+    outputs, _ = drive(engine, PLAN)
+    assert outputs == reference
+    chain = engine.chain
+    assert chain is not None and not chain.active
+    assert chain.runs >= 2 and chain.launches >= 12, (chain.runs, chain.launches)
+    check_pools_empty(engine)
+
+
+def test_a_run_ends_in_the_state_of_ordinary_steps(ckpts: Checkpoints) -> None:
+    """After a run ends, the engine's and the drafter's host state (KV lengths, tokens, the
+    next tree) let the ordinary path continue; its trees match what a twin engine without
+    the device chain would hold."""
+    engine = chain_engine(ckpts, "eagle3", 3)
+    chain = engine.chain
+    assert chain is not None
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    request_id = engine.add_request([5, 9, 17, 4, 250, 31], params)
+    while not chain.active:
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    assert chain.active
+    engine.add_request([7, 8], SamplingParams(max_new_tokens=3, ignore_eos=True))  # ends the run
+    engine.step()
+    assert not chain.active
+    req = engine._requests[request_id]
+    drafter = engine.drafter
+    seq = drafter.seqs[request_id]  # type: ignore[union-attr]
+    assert seq.tokens == req.tokens
+    assert req.num_computed == req.num_tokens - 1
+    assert engine.kv.allocator.num_tokens(request_id) == req.num_computed
+    assert drafter.kvs[0].allocator.num_tokens(request_id) == len(seq.tokens) - 1  # type: ignore[union-attr]
+    assert req.tree is not None and req.tree.tokens[0] == req.tokens[-1]
+    assert seq.features is not None and seq.feature_start == len(seq.tokens) - 2
+    for _ in range(3):  # the ordinary path goes on from that state, and may start a run again
+        engine.step()
+    assert req.output_ids == reference_tokens(ckpts, [5, 9, 17, 4, 250, 31], len(req.output_ids))
+    for rid in list(engine._requests):
+        if not engine._requests[rid].finished:
+            engine.abort(rid)
+    engine.flush_draft()
+    check_pools_empty(engine)
+
+
+def test_simulated_acceptance_runs_on_the_device(ckpts: Checkpoints) -> None:
+    """Perf only: the accept length is drawn on the device; requests still finish at their
+    lengths and nothing leaks."""
+    engine = chain_engine(ckpts, "eagle3", 3, simulate=3.0)
+    plan = [Arrival(step=0, prompt=[5, 9, 17], max_new_tokens=48)]
+    outputs, _ = drive(engine, plan)
+    assert len(outputs[0]) == 48
+    chain = engine.chain
+    assert chain is not None and chain.launches >= 5
+    check_pools_empty(engine)
+
+
+GPU_PLAN = [
+    Arrival(step=0, prompt=[5, 9, 17, 4, 250, 31], max_new_tokens=200),
+    *(
+        Arrival(step=a.step + 40, prompt=a.prompt, max_new_tokens=a.max_new_tokens)
+        for a in arrivals(16, VOCAB, every=12, new_tokens=(16, 120), seed=13)
+    ),
+]
+
+
+@pytest.mark.gpu
+def test_captured_device_chain_equals_target_only(ckpts: Checkpoints) -> None:
+    """Captured graphs written on the device: greedy output equals target-only (float32)
+    over hundreds of launches while the batch moves between buckets."""
+    config = EngineConfig(model=ckpts.target, device="cuda", num_pages=1024, cuda_graphs=False)
+    expected = drive(Engine(config), GPU_PLAN)[0]
+    engine = chain_engine(ckpts, "eagle3", 3, page_size=16, capture=True)
+    outputs, _ = drive(engine, GPU_PLAN)
+    assert outputs == expected
+    chain = engine.chain
+    assert chain is not None and chain.launches >= 100, (chain.runs, chain.launches)
+    target = engine.runner.graphs
+    assert target is not None and target.captured
+    sizes = {b.batch_size for b in target.replays if b.width == 4}
+    assert len(sizes) >= 3, target.replays
+    check_pools_empty(engine)
