@@ -117,6 +117,13 @@ def generate(
             help="Plain greedy decode steps launch the next step before the last is read."
         ),
     ] = True,
+    device_chain: Annotated[
+        bool,
+        typer.Option(
+            help="Steady greedy chain speculation launches each step before the last is "
+            "read, its inputs written on the GPU (needs CUDA graphs and a one-module draft)."
+        ),
+    ] = False,
     draft_kind: Annotated[
         str | None,
         typer.Option(help="eagle3, eagle, mtp, model or ngram (ngram needs no --draft)."),
@@ -198,6 +205,7 @@ def generate(
             cuda_graphs=cuda_graphs,
             spec_policy=spec_policy,
             overlap=overlap,
+            device_chain=device_chain,
         )
         drafter = spec = None
         if draft is not None or draft_kind is not None:

@@ -151,6 +151,10 @@ def run(
     if engine.spec is not None:
         row.draft_ms = median_ms(steps.draft)
         fill_acceptance(row, stats, num_positions)
+    if engine.chain is not None:
+        # Device-chain steps: no forward or draft is waited for alone (a step's time is the
+        # read's wait for a verdict launched a step ahead), and the host is not in the cycle.
+        row.verify_ms = row.draft_ms = row.wire_host_ms = None
     return row
 
 

@@ -45,6 +45,7 @@ def chain_engine(
     page_size: int = 4,
     simulate: float | None = None,
     capture: bool = False,
+    max_model_len: int = 128,  # page tables (and interpreted attention's splits) stay small
 ) -> Engine:
     drafter = make_drafter(ckpts, kind, str(DEVICE), page_size, 2048 // page_size)
     config = EngineConfig(
@@ -53,7 +54,7 @@ def chain_engine(
         page_size=page_size,
         num_pages=4096 // page_size,
         max_num_seqs=max(BATCH_SIZES),
-        max_model_len=128,  # page tables (and interpreted attention's splits) stay small
+        max_model_len=max_model_len,
         cuda_graphs=capture,
         cuda_graph_batch_sizes=BATCH_SIZES,
         simulate_accept_length=simulate,
@@ -175,7 +176,7 @@ def test_captured_device_chain_equals_target_only(ckpts: Checkpoints) -> None:
     over hundreds of launches while the batch moves between buckets."""
     config = EngineConfig(model=ckpts.target, device="cuda", num_pages=1024, cuda_graphs=False)
     expected = drive(Engine(config), GPU_PLAN)[0]
-    engine = chain_engine(ckpts, "eagle3", 3, page_size=16, capture=True)
+    engine = chain_engine(ckpts, "eagle3", 3, page_size=16, capture=True, max_model_len=512)
     outputs, _ = drive(engine, GPU_PLAN)
     assert outputs == expected
     chain = engine.chain
