@@ -1,0 +1,233 @@
+"""The draft's half of a device-chain step (``tandem/spec/device_chain.py``), and the two
+hand-off buffers between the halves.
+
+``Outcome`` is what a verification hands the draft and ``Chains`` what the draft hands the
+next verification, both on the device. Each is allocated by the half that reads it (the draft
+owns ``Outcome``: its features are the extend bucket's own feature rows) and written by the
+other, as docs/device-cycle.md plans for two processes; in one process both halves launch on
+one stream, so stream order is the only hand-off.
+
+One draft launch: the extend bucket over each row's accepted pairs (pair k, k <= accepted, is
+new token k at position and KV index ``base + 1 - shift + k``; later rows store nothing and see
+nothing), then the loop bucket from the new base ``base + accepted + 1``, whose chain goes into
+``Chains``. Positions, slots and lengths are computed on the device from ``Outcome``; the page
+tables are written once at ``begin`` and grown on the stream as pages are reserved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.graph_buffers import WORD_BITS, Bucket, mask_words
+from tandem.spec.draft_plan import PAD_BASE, Staged, chain_schedule
+from tandem.spec.drafter import ModelDrafter
+
+
+@dataclass
+class Outcome:
+    """One verification for the draft ([bs] rows of the run's bucket; rows past the run pad)."""
+
+    base: torch.Tensor  # [bs] int64: KV index (and position) of each verified chain's node 0
+    accepted: torch.Tensor  # [bs] int64: drafts accepted
+    new: torch.Tensor  # [bs, S+1] int64: accepted drafts then the bonus (later rows unused)
+    alive: torch.Tensor  # [bs] bool: rows of the run's requests
+    features: torch.Tensor | None  # [bs * (S+1), F]: target features of every node
+
+
+@dataclass
+class Chains:
+    """The chain of every row for the next verification."""
+
+    tokens: torch.Tensor  # [bs, S+1] int64: node 0 (the verified token), then the drafts
+    valid: torch.Tensor  # [bs, S] bool: drafts with finite logits (a chain ends at the first not)
+
+
+class DraftChain:
+    """A ``ModelDrafter``'s share of a run: its pool, its buckets' inputs, its host state."""
+
+    def __init__(self, drafter: ModelDrafter, num_steps: int) -> None:
+        assert drafter.graphs is not None and len(drafter.modules) == 1
+        self.drafter = drafter
+        self.graphs = drafter.graphs
+        self.graphs.ensure_steps(num_steps)
+        self.num_steps = num_steps
+        self.width = num_steps + 1
+        self.device = self.graphs.device
+        self.shift = drafter.modules[0].shift
+        self.schedule = chain_schedule(num_steps, 1, drafter.mode)
+        self.scratch = self.schedule.totals[0]  # the loop's scratch entries a request
+        self.alloc = drafter.kvs[0].allocator
+        self.request_ids: list[str] = []
+        self._bucket = Bucket(1, self.width)
+        self._pages: list[int] = []  # per row: pages written into the buckets' tables
+        self._j = torch.arange(self.width, device=self.device)
+        self._chain_words = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.outcome: Outcome | None = None
+        self.chains: Chains | None = None
+
+    def eligible(self, request_id: str, num_tokens: int) -> bool:
+        """Whether the drafter holds ``request_id`` in step with ``num_tokens`` committed
+        tokens, as a chain of this run's S."""
+        seq = self.drafter.seqs.get(request_id)
+        return (
+            seq is not None
+            and seq.spec.topk == 1
+            and seq.spec.num_steps == self.num_steps
+            and seq.last_out[0] is not None
+            and len(seq.tokens) == num_tokens
+        )
+
+    def begin(self, request_ids: Sequence[str], bucket: Bucket) -> Outcome:
+        """Stages the buckets' static inputs for a run of ``request_ids`` (reserved already)
+        and returns the ``Outcome`` buffers the target half writes."""
+        self.request_ids = list(request_ids)
+        self._bucket = bucket
+        bs, w = bucket.batch_size, self.width
+        pages = [self.alloc.pages(rid) for rid in self.request_ids]
+        extend = self.graphs.extends[bucket]
+        staged = Staged(ints=dict(extend.empty.ints), pages=dict(extend.empty.pages))
+        chain = mask_words(range(-1, w - 1), -(-w // WORD_BITS))
+        staged.ints["mask0"] = chain * bs
+        staged.ints["rows"] = list(range(bs * w))
+        staged.pages["pages0"] = pages
+        self.graphs.static.stage(extend, staged)
+        self._chain_words = extend.modules[0].backend.graph_meta.tree_mask.clone()
+        loop = self.graphs.loops[bucket]
+        staged = Staged(ints=dict(loop.empty.ints), pages=dict(loop.empty.pages))
+        words = self.schedule.num_words
+        for t, step in enumerate(self.schedule.steps):
+            rows = mask_words(range(-1, step.prev + len(step.depths) - 1), words)
+            staged.ints[f"mask{t}"] = rows[step.prev * words :] * bs
+        staged.pages["pages0"] = pages
+        self.graphs.static.stage(loop, staged)
+        self._pages = [len(p) for p in pages]
+        zeros = torch.zeros(bs, dtype=torch.int64, device=self.device)
+        self.outcome = Outcome(
+            base=zeros.clone(),
+            accepted=zeros.clone(),
+            new=torch.zeros(bs, w, dtype=torch.int64, device=self.device),
+            alive=torch.zeros(bs, dtype=torch.bool, device=self.device),
+            features=None if extend.features is None else extend.features[: bs * w],
+        )
+        return self.outcome
+
+    def needs(self, num_tokens: int, unread: int) -> int:
+        """Tokens of capacity a row needs before a launch with ``unread`` steps unread: the
+        extend writes up to ``L + (unread+1)(S+1) - shift``, the loop's scratch past it."""
+        return num_tokens + (unread + 1) * self.width - self.shift + self.scratch
+
+    def reserve(self, lengths: Sequence[int], unread: int) -> bool:
+        """Grows every row to ``needs``; False (nothing changed) when the pool cannot."""
+        grow = [
+            (rid, max(0, self.needs(n, unread) - self.alloc.num_tokens(rid)))
+            for rid, n in zip(self.request_ids, lengths, strict=True)
+        ]
+        if sum(self.alloc.pages_needed(rid, n) for rid, n in grow) > self.alloc.num_free_pages:
+            return False
+        for rid, n in grow:
+            self.alloc.extend(rid, n)
+        return True
+
+    def _sync_pages(self) -> None:
+        bucket = self._bucket
+        extend, loop = self.graphs.extends[bucket], self.graphs.loops[bucket]
+        tables = [
+            extend.modules[0].backend.graph_meta.page_table,
+            loop.backends[0].graph_meta.page_table,  # every loop step shares one table
+        ]
+        for i, rid in enumerate(self.request_ids):
+            self._pages[i] = grow_tables(tables, i, self.alloc.pages(rid), self._pages[i])
+
+    @torch.inference_mode()
+    def launch(self) -> None:
+        """Queues the extend over ``outcome`` and the loop that writes ``chains``."""
+        assert self.outcome is not None and self.chains is not None
+        self._sync_pages()
+        out, graphs, bucket = self.outcome, self.graphs, self._bucket
+        bs, w, j = bucket.batch_size, self.width, self._j
+        page_size = self.alloc.page_size
+        extend = graphs.extends[bucket]
+        buf = extend.modules[0]
+        meta = buf.backend.graph_meta
+        first = out.base + 1 - self.shift  # the first new pair's position and KV index
+        position = first[:, None] + j
+        pairs = (j <= out.accepted[:, None]) & out.alive[:, None]
+        buf.input_ids.copy_(out.new.view(-1))
+        buf.positions.copy_(position.view(-1))
+        meta.slot_mapping.copy_(slots(meta.page_table, position, page_size, pairs).view(-1))
+        meta.seq_lens.copy_((first + out.accepted + 1) * out.alive)
+        meta.prefix_lens.copy_(first * out.alive)
+        meta.tree_mask.copy_(self._chain_words * pairs.view(-1, 1))
+        buf.last_rows.copy_(torch.arange(bs, device=self.device) * w + out.accepted)
+        graphs.replay("extend", extend)
+        loop = graphs.loops[bucket]
+        base = out.base + out.accepted + 1
+        loop.base.copy_(torch.where(out.alive, base, PAD_BASE))
+        committed = base + 1 - self.shift  # pairs in the KV before the scratch
+        for t, step in enumerate(self.schedule.steps):
+            meta = loop.backends[t].graph_meta
+            width = len(step.depths)
+            scratch = committed[:, None] + step.prev + j[:width]
+            keep = out.alive[:, None].expand(bs, width)
+            meta.slot_mapping.copy_(slots(meta.page_table, scratch, page_size, keep).view(-1))
+            meta.seq_lens.copy_((committed + step.prev + width) * out.alive)
+            meta.prefix_lens.copy_(committed * out.alive)
+        graphs.last_in[0][:bs].copy_(graphs.last_out[0][:bs])
+        graphs.replay("loop", loop)
+        result = loop.result[:, :bs]
+        bonus = out.new.gather(1, out.accepted[:, None])
+        self.chains.tokens.copy_(torch.cat([bonus, result[0].long()], 1))
+        self.chains.valid.copy_(result[2] != 0)
+
+    def commit(self, request_id: str, tokens: list[int]) -> None:
+        """A read step's committed tokens, appended to the drafter's host copy."""
+        self.drafter.seqs[request_id].tokens.extend(tokens)
+
+    def end(self, finished: Sequence[bool]) -> None:
+        """The drafter's host state of the last launched step (every step read): KV length,
+        last output and kept feature per row; ``finished`` rows leave the drafter."""
+        assert self.outcome is not None
+        n, w = len(self.request_ids), self.width
+        accepted = self.outcome.accepted[:n].tolist()
+        last_out = self.graphs.last_out[0][:n].clone()
+        features = self.outcome.features
+        for i, rid in enumerate(self.request_ids):
+            if finished[i]:
+                self.drafter.release(rid)
+                continue
+            seq = self.drafter.seqs[rid]
+            self.alloc.truncate(rid, len(seq.tokens) - self.shift)
+            seq.last_out[0] = last_out[i]
+            if features is not None:  # the last accepted node's, as _trim_features keeps
+                row = i * w + accepted[i]
+                seq.features = features[row : row + 1].clone()
+                seq.feature_start = len(seq.tokens) - 2
+        self.request_ids = []
+        self.outcome = self.chains = None
+
+
+def grow_tables(tables: Sequence[torch.Tensor], row: int, pages: list[int], written: int) -> int:
+    """Writes ``pages[written:]`` into row ``row`` of every page table ([bs, max_pages]
+    int32 on the device) behind the stream, from pinned memory; returns the pages written."""
+    if len(pages) <= written:
+        return written
+    new = torch.tensor(pages[written:], dtype=torch.int32)
+    on_cuda = tables[0].device.type == "cuda"
+    new = new.pin_memory() if on_cuda else new
+    for table in tables:
+        table[row, written : len(pages)].copy_(new, non_blocking=on_cuda)
+    return len(pages)
+
+
+def slots(
+    table: torch.Tensor,  # [bs, max_pages] int32: each row's pages in logical order
+    index: torch.Tensor,  # [bs, w] int64 logical KV indices
+    page_size: int,
+    keep: torch.Tensor,  # [bs, w] bool: rows whose KV is stored
+) -> torch.Tensor:
+    """Physical slots of ``index`` through the page table; -1 (store nothing) where not kept."""
+    page = table.gather(1, (index // page_size).clamp(0, table.shape[1] - 1)).long()
+    return torch.where(keep, page * page_size + index % page_size, -1)
