@@ -179,6 +179,9 @@ def _target(a: argparse.Namespace, root: Path, conn: socket.socket) -> dict[str,
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
     draft_ms = struct.unpack("<d", cuda_ipc.recv_frame(conn))[0]
+    half.outcome = None  # the draft's memory: unmapped before the draft exits
+    torch.cuda.synchronize()
+    cuda_ipc.send_frame(conn, b"bye")
     cycle_ms = elapsed * 1e3 / a.cycles
     target_ms = _median([b.elapsed_time(e) for b, e in timings])
     accept = tokens / steps
@@ -264,6 +267,9 @@ def _draft(a: argparse.Namespace, root: Path) -> None:
     torch.cuda.synchronize()
     draft_ms = _median([b.elapsed_time(e) for b, e in timings])
     cuda_ipc.send_frame(conn, struct.pack("<d", draft_ms))
+    half.chains = None
+    torch.cuda.synchronize()
+    assert cuda_ipc.recv_frame(conn) == b"bye"
     conn.close()
 
 

@@ -311,6 +311,11 @@ class TargetGraphRunner:
             self._forward(entry)
         self.replays[bucket] = self.replays.get(bucket, 0) + 1
 
+    def forward_static(self, bucket: Bucket) -> None:
+        """The bucket's forward on its static inputs, run (or captured) by the caller: what a
+        graph of the caller's own holds around it (``tandem/spec/chain_target.py``)."""
+        self._forward(self._entries[bucket])
+
     @property
     def logits(self) -> torch.Tensor:  # [max_tokens, vocab] float32
         return self._logits

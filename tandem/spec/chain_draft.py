@@ -11,7 +11,10 @@ One draft launch: the extend bucket over each row's accepted pairs (pair k, k <=
 new token k at position and KV index ``base + 1 - shift + k``; later rows store nothing and see
 nothing), then the loop bucket from the new base ``base + accepted + 1``, whose chain goes into
 ``Chains``. Positions, slots and lengths are computed on the device from ``Outcome``; the page
-tables are written once at ``begin`` and grown on the stream as pages are reserved.
+tables are written once at ``begin`` and grown on the stream as pages are reserved. With the
+draft's graphs captured, a launch is one CUDA graph per bucket (captured at the bucket's first
+launch, over the bucket's ``Outcome`` and the ``Chains`` bound then): extend and loop with
+everything between them.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.graph_buffers import WORD_BITS, Bucket, mask_words
+from tandem.graph_buffers import WORD_BITS, Bucket, capture_graph, mask_words
 from tandem.spec.draft_plan import PAD_BASE, Staged, chain_schedule
 from tandem.spec.drafter import ModelDrafter
 
@@ -67,6 +70,8 @@ class DraftChain:
         self._chain_words = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.outcome: Outcome | None = None
         self.chains: Chains | None = None
+        self._outcomes: dict[Bucket, Outcome] = {}  # kept across runs: graphs write them
+        self._graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, int]] = {}  # graph, Chains ptr
 
     def eligible(self, request_id: str, num_tokens: int) -> bool:
         """Whether the drafter holds ``request_id`` in step with ``num_tokens`` committed
@@ -104,15 +109,19 @@ class DraftChain:
         staged.pages["pages0"] = pages
         self.graphs.static.stage(loop, staged)
         self._pages = [len(p) for p in pages]
-        zeros = torch.zeros(bs, dtype=torch.int64, device=self.device)
-        self.outcome = Outcome(
-            base=zeros.clone(),
-            accepted=zeros.clone(),
-            new=torch.zeros(bs, w, dtype=torch.int64, device=self.device),
-            alive=torch.zeros(bs, dtype=torch.bool, device=self.device),
-            features=None if extend.features is None else extend.features[: bs * w],
-        )
-        return self.outcome
+        outcome = self._outcomes.get(bucket)
+        if outcome is None:
+            dev = self.device
+            outcome = Outcome(
+                base=torch.zeros(bs, dtype=torch.int64, device=dev),
+                accepted=torch.zeros(bs, dtype=torch.int64, device=dev),
+                new=torch.zeros(bs, w, dtype=torch.int64, device=dev),
+                alive=torch.zeros(bs, dtype=torch.bool, device=dev),
+                features=None if extend.features is None else extend.features[: bs * w],
+            )
+            self._outcomes[bucket] = outcome
+        self.outcome = outcome
+        return outcome
 
     def needs(self, num_tokens: int, unread: int) -> int:
         """Tokens of capacity a row needs before a launch with ``unread`` steps unread: the
@@ -146,6 +155,23 @@ class DraftChain:
         """Queues the extend over ``outcome`` and the loop that writes ``chains``."""
         assert self.outcome is not None and self.chains is not None
         self._sync_pages()
+        bucket = self._bucket
+        if not self.graphs.use_graphs:
+            self._step()
+            return
+        graph, bound = self._graphs.get(bucket, (None, 0))
+        if graph is None or bound != self.chains.tokens.data_ptr():
+            # Capture runs the step once first: run twice, a step writes what it wrote.
+            pool = torch.cuda.graph_pool_handle()
+            graph = capture_graph(self.device, pool, self._step)
+            self._graphs[bucket] = (graph, self.chains.tokens.data_ptr())
+        graph.replay()
+        self.graphs.replays[("chain", bucket)] = self.graphs.replays.get(("chain", bucket), 0) + 1
+
+    def _step(self) -> None:
+        """The captured region: extend inputs, extend, loop inputs, loop, the next chains.
+        Reads and writes only the buckets' buffers, ``Outcome`` and ``Chains``."""
+        assert self.outcome is not None and self.chains is not None
         out, graphs, bucket = self.outcome, self.graphs, self._bucket
         bs, w, j = bucket.batch_size, self.width, self._j
         page_size = self.alloc.page_size
@@ -162,7 +188,7 @@ class DraftChain:
         meta.prefix_lens.copy_(first * out.alive)
         meta.tree_mask.copy_(self._chain_words * pairs.view(-1, 1))
         buf.last_rows.copy_(torch.arange(bs, device=self.device) * w + out.accepted)
-        graphs.replay("extend", extend)
+        graphs.forward_static(extend)
         loop = graphs.loops[bucket]
         base = out.base + out.accepted + 1
         loop.base.copy_(torch.where(out.alive, base, PAD_BASE))
@@ -176,7 +202,7 @@ class DraftChain:
             meta.seq_lens.copy_((committed + step.prev + width) * out.alive)
             meta.prefix_lens.copy_(committed * out.alive)
         graphs.last_in[0][:bs].copy_(graphs.last_out[0][:bs])
-        graphs.replay("loop", loop)
+        graphs.forward_static(loop)
         result = loop.result[:, :bs]
         bonus = out.new.gather(1, out.accepted[:, None])
         self.chains.tokens.copy_(torch.cat([bonus, result[0].long()], 1))

@@ -7,6 +7,11 @@ their log-probabilities; with a simulator, a drawn accept length); the verdict's
 pinned memory for the host; ``Outcome`` for the draft (the old base, the accept lengths, the
 new tokens, every node's target features); ``base`` advanced. The host reads a step's verdict
 after launching the next one.
+
+With the target's graphs captured, all of that but the page tables' growth, the simulator's
+noise and the verdict's copy out is one CUDA graph per bucket (captured at the bucket's first
+launch, over the bucket's own state buffers and the ``Outcome`` bound then): one launch a step
+instead of about fifty small kernels and a replay.
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 import kernels
-from tandem.graph_buffers import Bucket
+from tandem.graph_buffers import Bucket, capture_graph
 from tandem.graphs import TargetGraphRunner
 from tandem.kv import KVCache
 from tandem.request import Request
@@ -37,6 +43,19 @@ class Verdict:
     drafted: int  # drafts in the verified chain
     new_tokens: list[int]  # accepted drafts + the bonus token
     logprobs: list[float]  # target log-probability of each
+
+
+@dataclass
+class _Static:
+    """A bucket's state buffers: what its captured step reads and writes, kept across runs."""
+
+    base: torch.Tensor  # [bs] int64: KV index of each row's node 0
+    alive: torch.Tensor  # [bs] bool
+    noise: torch.Tensor  # [bs] float32: the simulator's draw for the step
+    verdict: torch.Tensor  # [bs, 2 + 2(S+1)] float64: accepted, drafted, tokens, logprobs
+    chains: Chains
+    graph: torch.cuda.CUDAGraph | None = None
+    bound: int = 0  # data_ptr of the Outcome the graph writes (0: none captured)
 
 
 @dataclass
@@ -77,8 +96,8 @@ class TargetChain:
         self.request_ids: list[str] = []
         self._bucket = Bucket(1, self.width)
         self._pages: list[int] = []
-        self._base = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self._alive = torch.zeros(0, dtype=torch.bool, device=self.device)
+        self._statics: dict[Bucket, _Static] = {}
+        self.steps: dict[Bucket, int] = {}  # steps launched per bucket
         self.chains: Chains | None = None
         self.outcome: Outcome | None = None
 
@@ -101,7 +120,7 @@ class TargetChain:
         as the first step's chains, and returns the ``Chains`` buffers the draft half writes."""
         self.request_ids = [r.request_id for r in reqs]
         self._bucket = bucket
-        bs, n, w, dev = bucket.batch_size, len(reqs), self.width, self.device
+        bs, n, w = bucket.batch_size, len(reqs), self.width
         tokens, valid, chains = [], [], []
         for req in reqs:
             assert req.tree is not None
@@ -110,12 +129,12 @@ class TargetChain:
             valid.append([k < len(drafts) for k in range(self.num_steps)])
             chains.append(Tree(tokens=tuple(tokens[-1]), parents=(-1, *range(w - 1))))
         missing = bs - n
-        self._alive = torch.tensor([True] * n + [False] * missing, device=dev)
-        self._base = torch.tensor([r.num_computed for r in reqs] + [0] * missing, device=dev)
-        self.chains = Chains(
-            tokens=torch.tensor(tokens + [[0] * w] * missing, device=dev),
-            valid=torch.tensor(valid + [[False] * self.num_steps] * missing, device=dev),
-        )
+        static = self._static(bucket)
+        static.alive.copy_(torch.tensor([True] * n + [False] * missing))
+        static.base.copy_(torch.tensor([r.num_computed for r in reqs] + [0] * missing))
+        static.chains.tokens.copy_(torch.tensor(tokens + [[0] * w] * missing))
+        static.chains.valid.copy_(torch.tensor(valid + [[False] * self.num_steps] * missing))
+        self.chains = static.chains
         # Everything staged once (query starts, chain masks, rows, the page tables as now).
         plan = self.target.plan(self.request_ids, [r.num_computed for r in reqs], chains)
         assert plan is not None and plan.bucket == bucket
@@ -123,34 +142,79 @@ class TargetChain:
         self._pages = [len(p) for p in plan.pages]
         return self.chains
 
+    def _static(self, bucket: Bucket) -> _Static:
+        static = self._statics.get(bucket)
+        if static is None:
+            bs, w, dev = bucket.batch_size, self.width, self.device
+            static = _Static(
+                base=torch.zeros(bs, dtype=torch.int64, device=dev),
+                alive=torch.zeros(bs, dtype=torch.bool, device=dev),
+                noise=torch.zeros(bs, device=dev),
+                verdict=torch.zeros(bs, 2 + 2 * w, dtype=torch.float64, device=dev),
+                chains=Chains(
+                    tokens=torch.zeros(bs, w, dtype=torch.int64, device=dev),
+                    valid=torch.zeros(bs, self.num_steps, dtype=torch.bool, device=dev),
+                ),
+            )
+            self._statics[bucket] = static
+        return static
+
     @torch.inference_mode()
     def launch(self) -> None:
         """Queues the verify over ``chains``, the verdict and its copy out, and ``outcome``."""
         assert self.chains is not None and self.outcome is not None
-        bucket, w, s = self._bucket, self.width, self.num_steps
-        bs, j, alive, base = bucket.batch_size, self._j, self._alive, self._base
-        entry = self.target.buffers(bucket)
-        meta = entry.backend.graph_meta
-        table = meta.page_table
+        bucket = self._bucket
+        static = self._statics[bucket]
+        table = self.target.buffers(bucket).backend.graph_meta.page_table
         for i, rid in enumerate(self.request_ids):
             self._pages[i] = grow_tables([table], i, self.alloc.pages(rid), self._pages[i])
+        if self.generator is not None:
+            torch.randn(
+                bucket.batch_size, device=self.device, generator=self.generator, out=static.noise
+            )
+        if self.target.use_graphs:
+            if static.graph is None or static.bound != self.outcome.base.data_ptr():
+                base = static.base.clone()  # capture runs the step once: it must not count
+                pool = torch.cuda.graph_pool_handle()
+                static.graph = capture_graph(self.device, pool, partial(self._step, static))
+                static.base.copy_(base)
+                static.bound = self.outcome.base.data_ptr()
+            static.graph.replay()
+        else:
+            self._step(static)
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % _RING
+        self._verdicts[slot, : bucket.batch_size].copy_(static.verdict, non_blocking=self.on_cuda)
+        copied = torch.cuda.Event() if self.on_cuda else None
+        if copied is not None:
+            copied.record()
+        self.unread.append(_Launched(slot=slot, copied=copied))
+        self.steps[bucket] = self.steps.get(bucket, 0) + 1
+
+    def _step(self, static: _Static) -> None:
+        """The captured region: verify inputs, the verify forward, the verdict, the outcome.
+        Reads and writes only the bucket's buffers, its ``_Static`` and the ``Outcome``."""
+        assert self.outcome is not None
+        bucket, w, s = self._bucket, self.width, self.num_steps
+        bs, j, alive, base = bucket.batch_size, self._j, static.alive, static.base
+        entry = self.target.buffers(bucket)
+        meta = entry.backend.graph_meta
         index = base[:, None] + j
-        entry.input_ids.copy_(self.chains.tokens.view(-1))
+        entry.input_ids.copy_(static.chains.tokens.view(-1))
         entry.positions.copy_(index.view(-1))
         keep = alive[:, None].expand(bs, w)
         meta.slot_mapping.copy_(slots(meta.page_table, index, self.alloc.page_size, keep).view(-1))
         meta.seq_lens.copy_((base + w) * alive)
         meta.prefix_lens.copy_(base * alive)
-        self.target.replay(bucket)
+        self.target.forward_static(bucket)
         logits = self.target.logits[: bs * w]
         ids, logprobs, _ = kernels.ops(self.device).top1(logits)
         choice = ids.view(bs, w)
-        drafts = self.chains.tokens[:, 1:]
-        valid = self.chains.valid
+        drafts = static.chains.tokens[:, 1:]
+        valid = static.chains.valid
         depth = torch.cumprod(valid.long(), 1).sum(1)
         if self.generator is not None:
-            noise = torch.randn(bs, device=self.device, generator=self.generator)
-            drawn = torch.floor(noise + self.mu + 0.5).long().clamp(0, s)
+            drawn = torch.floor(static.noise + self.mu + 0.5).long().clamp(0, s)
             accepted = torch.minimum(drawn, depth)
         else:  # greedy: a draft is accepted while it is the target's choice at its parent
             accepted = torch.cumprod(((drafts == choice[:, :s]) & valid).long(), 1).sum(1)
@@ -161,14 +225,7 @@ class TargetChain:
         top = rows.gather(2, choice[..., None])[..., 0]
         new_logprobs = rows.gather(2, new[..., None])[..., 0] - (top - logprobs.view(bs, w))
         parts = [accepted[:, None], depth[:, None], new, new_logprobs]
-        verdict = torch.cat([part.double() for part in parts], 1)  # [bs, 2 + 2(S+1)]
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % _RING
-        self._verdicts[slot, :bs].copy_(verdict, non_blocking=self.on_cuda)
-        copied = torch.cuda.Event() if self.on_cuda else None
-        if copied is not None:
-            copied.record()
-        self.unread.append(_Launched(slot=slot, copied=copied))
+        static.verdict.copy_(torch.cat([part.double() for part in parts], 1))
         out = self.outcome
         out.base.copy_(base)
         out.accepted.copy_(accepted)
@@ -178,7 +235,7 @@ class TargetChain:
             features = self.target.features
             assert features is not None, "target features are not captured"
             out.features.copy_(features[: bs * w])
-        self._base = base + accepted + 1
+        base.add_(accepted + 1)
 
     def read(self, count: int) -> list[Verdict]:
         """Waits for the oldest unread step's verdict (not for anything launched after it);

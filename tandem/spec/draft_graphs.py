@@ -338,6 +338,11 @@ class DraftGraphRunner:
         else:
             self._extend_forward(entry)
 
+    def forward_static(self, entry: LoopEntry | ExtendEntry) -> None:
+        """``entry``'s forward on its static inputs, run (or captured) by the caller: what a
+        graph of the caller's own holds around it (``tandem/spec/chain_draft.py``)."""
+        self._forward(entry)
+
     def replay(self, kind: str, entry: LoopEntry | ExtendEntry) -> None:
         """Runs ``entry`` (of ``kind``: "loop" or "extend") on its static inputs as they are."""
         if entry.graph is not None:

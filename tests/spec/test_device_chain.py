@@ -183,6 +183,6 @@ def test_captured_device_chain_equals_target_only(ckpts: Checkpoints) -> None:
     assert chain is not None and chain.launches >= 100, (chain.runs, chain.launches)
     target = engine.runner.graphs
     assert target is not None and target.captured
-    sizes = {b.batch_size for b in target.replays if b.width == 4}
-    assert len(sizes) >= 3, target.replays
+    steps = chain.target.steps  # device-chain steps per bucket, each one captured graph
+    assert len({b.batch_size for b in steps}) >= 2, steps
     check_pools_empty(engine)
