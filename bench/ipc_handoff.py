@@ -18,8 +18,8 @@ and the draft's graph writes the tree the target reads next (``--tree-tokens`` i
   its GPU (as a real one must, to read what leaves the process).
 
 Prints cycle ms, idle (1 - (verify + draft) / cycle, with each graph timed alone), and the
-cycle over the floor. CUDA only; no pickle crosses the socket, only raw bytes: IPC handles, the
-messages, one-byte notices.
+cycle over the floor. CUDA only; no pickle crosses the socket, only raw bytes: IPC handles
+(``tandem/cuda_ipc.py``), the messages, one-byte notices.
 
     python bench/ipc_handoff.py [--cycles 300] [--verify-ms 6.2] [--draft-ms 1.1] [--json]
 """
@@ -40,6 +40,9 @@ from pathlib import Path
 
 import torch
 
+from tandem import cuda_ipc
+
+_send, _recv = cuda_ipc.send_frame, cuda_ipc.recv_frame
 ROWS, COLS = 32768, 16384  # a 1 GiB bf16 weight: every pass streams it from HBM (L2 is 50 MiB)
 HEADER = struct.Struct("<Q")
 
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ahead", type=int, default=2)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    if a.features_bytes > cuda_ipc.MAX_FRAME:
+        p.error(f"--features-bytes: at most {cuda_ipc.MAX_FRAME} (one frame on the socket)")
     if not torch.cuda.is_available():
         sys.exit("ipc_handoff: needs a CUDA device")
     torch.cuda.set_device(0)
@@ -226,9 +231,9 @@ def _target(a: argparse.Namespace, mode: str, conn: socket.socket, passes: int) 
         # The draft maps both buffers and records its own event; one notice each way a cycle.
         mine = torch.cuda.Event(interprocess=True)
         mine.record()
-        for item in (*_share(features), *_share(tree), mine.ipc_handle()):
+        for item in (cuda_ipc.describe(features), cuda_ipc.describe(tree), mine.ipc_handle()):
             _send(conn, item)
-        theirs = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), _recv(conn))
+        theirs = cuda_ipc.open_event(_recv(conn))
     verify = Side(passes, inbox=tree, outbox=features)
     _send(conn, b"ready")
     assert _recv(conn) == b"ready"
@@ -252,7 +257,7 @@ def _target(a: argparse.Namespace, mode: str, conn: socket.socket, passes: int) 
         verify.replay()
         mine.record()
         conn.sendall(b"v")
-        _exactly(conn, 1)
+        cuda_ipc.recv_exactly(conn, 1)
         torch.cuda.current_stream().wait_event(theirs)
         pacer.mark()
 
@@ -266,9 +271,9 @@ def _draft(a: argparse.Namespace) -> None:
     passes = a.passes
     total = a.warmup + a.cycles  # as the target's _timed runs them
     if a.mode == "ipc":
-        features = _mapped(*(_recv(conn) for _ in range(4)))
-        tree = _mapped(*(_recv(conn) for _ in range(4)))
-        theirs = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), _recv(conn))
+        features = cuda_ipc.open_buffer(_recv(conn), (a.features_bytes,), torch.uint8)
+        tree = cuda_ipc.open_buffer(_recv(conn), (a.tree_tokens * 8,), torch.uint8)
+        theirs = cuda_ipc.open_event(_recv(conn))
         mine = torch.cuda.Event(interprocess=True)
         mine.record()
         _send(conn, mine.ipc_handle())
@@ -277,7 +282,7 @@ def _draft(a: argparse.Namespace) -> None:
         assert _recv(conn) == b"ready"
         pacer = _Pacer(a.ahead)
         for _ in range(total):
-            _exactly(conn, 1)
+            cuda_ipc.recv_exactly(conn, 1)
             pacer.wait()
             torch.cuda.current_stream().wait_event(theirs)
             draft.replay()
@@ -319,48 +324,15 @@ class _Pacer:
         self.events.append(event)
 
 
-# -- CUDA IPC and the socket -----------------------------------------------------------------
-
-
-def _share(tensor: torch.Tensor) -> list[bytes]:
-    """What another process needs to map ``tensor`` (a whole storage): torch's own CUDA IPC
-    description, as torch.multiprocessing sends it, but as raw bytes, no pickle."""
-    assert tensor.storage_offset() == 0 and tensor.dtype == torch.uint8
-    device, handle, size, offset, counter, counter_offset, event, sync = (
-        tensor.untyped_storage()._share_cuda_()
-    )
-    return [
-        struct.pack("<qQQQ?", device, size, offset, counter_offset, sync),
-        handle,
-        counter,
-        event,
-    ]
-
-
-def _mapped(numbers: bytes, handle: bytes, counter: bytes, event: bytes) -> torch.Tensor:
-    """A uint8 tensor over a storage another process described with :func:`_share`."""
-    device, size, offset, counter_offset, sync = struct.unpack("<qQQQ?", numbers)
-    storage = torch.UntypedStorage._new_shared_cuda(
-        device, handle, size, offset, counter, counter_offset, event, sync
-    )
-    return torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage)
+# -- the socket ------------------------------------------------------------------------------
 
 
 def _buffers(conn: socket.socket) -> None:
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
 
 
-def _send(conn: socket.socket, payload: bytes) -> None:
-    conn.sendall(HEADER.pack(len(payload)) + payload)
-
-
-def _recv(conn: socket.socket) -> bytes:
-    (n,) = HEADER.unpack(_exactly(conn, HEADER.size))
-    return _exactly(conn, n)
-
-
 def _recv_into(conn: socket.socket, host: torch.Tensor) -> None:
-    (n,) = HEADER.unpack(_exactly(conn, HEADER.size))
+    (n,) = HEADER.unpack(cuda_ipc.recv_exactly(conn, HEADER.size))
     if n != host.numel():
         raise ValueError(f"expected {host.numel()} bytes, got {n}")
     view = host.numpy().data.cast("B")
@@ -370,17 +342,6 @@ def _recv_into(conn: socket.socket, host: torch.Tensor) -> None:
         if not k:
             raise ConnectionError("peer closed")
         got += k
-
-
-def _exactly(conn: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = conn.recv(n - got)
-        if not chunk:
-            raise ConnectionError("peer closed")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
 
 
 if __name__ == "__main__":
