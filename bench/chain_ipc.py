@@ -6,7 +6,7 @@ prefilled, and the target half of device-chain steps (``tandem/spec/chain_target
 process is the draft: the preset's EAGLE-3 head with its draft graphs, the same request
 admitted (random prompt features: acceptance is simulated), and the draft half
 (``tandem/spec/chain_draft.py``). They hand off through the halves' own buffers shared with
-CUDA IPC (``tandem/cuda_ipc.py``: ``Outcome`` allocated by the draft, ``Chains`` by the
+CUDA IPC (``tandem/ipc.py``: ``Outcome`` allocated by the draft, ``Chains`` by the
 target) and one interprocess event a side: a side records its event after its half and sends
 one byte; the other enqueues a wait on that event, then its half. No host waits for the GPU
 inside a cycle; the target reads each verdict a step late, as the engine does.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from tandem import cuda_ipc
+from tandem import ipc
 from tandem.bench.models import write_preset
 from tandem.bench.presets import PRESETS
 from tandem.config import EngineConfig
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _target(a: argparse.Namespace, root: Path, conn: socket.socket) -> dict[str, object]:
     s, w = a.spec_steps, a.spec_steps + 1
-    frame = cuda_ipc.recv_frame(conn)
+    frame = ipc.recv_frame(conn)
     layers = struct.unpack(f"<{len(frame) // 8}q", frame)
     config = EngineConfig(
         model=root / "target",
@@ -130,28 +130,28 @@ def _target(a: argparse.Namespace, root: Path, conn: socket.socket) -> dict[str,
     engine.add_request(prompt, params)
     engine.step()  # the prompt, and the first token
     req = engine.scheduler.running[0]
-    cuda_ipc.send_frame(conn, struct.pack(f"<{req.num_tokens}q", *req.tokens))
+    ipc.send_frame(conn, struct.pack(f"<{req.num_tokens}q", *req.tokens))
     req.tree = Tree(tokens=(req.tokens[-1],), parents=(-1,))
     half = TargetChain(graphs, engine.kv, s, AcceptSimulator(a.simulate_accept_length, s))
     bucket = graphs.bucket_for(1, w)
     assert bucket is not None and half.reserve([req], 0)
     chains = half.begin([req], bucket)
     for tensor in (chains.tokens, chains.valid):
-        cuda_ipc.send_frame(conn, cuda_ipc.describe(tensor))
-    described = [cuda_ipc.recv_frame(conn) for _ in range(5)]
+        ipc.send_frame(conn, ipc.describe(tensor))
+    described = [ipc.recv_frame(conn) for _ in range(5)]
     width = len(layers) * engine.model.config.hidden_size
     dtype = graphs.features.dtype if graphs.features is not None else torch.bfloat16
     half.outcome = Outcome(
-        base=cuda_ipc.open_buffer(described[0], (1,), torch.int64),
-        accepted=cuda_ipc.open_buffer(described[1], (1,), torch.int64),
-        new=cuda_ipc.open_buffer(described[2], (1, w), torch.int64),
-        alive=cuda_ipc.open_buffer(described[3], (1,), torch.bool),
-        features=cuda_ipc.open_buffer(described[4], (w, width), dtype),
+        base=ipc.open_buffer(described[0], (1,), torch.int64),
+        accepted=ipc.open_buffer(described[1], (1,), torch.int64),
+        new=ipc.open_buffer(described[2], (1, w), torch.int64),
+        alive=ipc.open_buffer(described[3], (1,), torch.bool),
+        features=ipc.open_buffer(described[4], (w, width), dtype),
     )
     mine = torch.cuda.Event(interprocess=True)
     mine.record()
-    cuda_ipc.send_frame(conn, mine.ipc_handle())
-    theirs = cuda_ipc.open_event(cuda_ipc.recv_frame(conn))
+    ipc.send_frame(conn, mine.ipc_handle())
+    theirs = ipc.open_event(ipc.recv_frame(conn))
     verify_ms = _alone(lambda: graphs.replay(bucket))
     stream = torch.cuda.current_stream()
     timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -168,7 +168,7 @@ def _target(a: argparse.Namespace, root: Path, conn: socket.socket) -> dict[str,
         end.record()
         mine.record()
         conn.sendall(b"v")
-        cuda_ipc.recv_exactly(conn, 1)
+        ipc.recv_exactly(conn, 1)
         stream.wait_event(theirs)
         if cycle >= a.warmup:
             timings.append((begin, end))
@@ -178,10 +178,10 @@ def _target(a: argparse.Namespace, root: Path, conn: socket.socket) -> dict[str,
         tokens, steps = _read(half, req, tokens, steps)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
-    draft_ms = struct.unpack("<d", cuda_ipc.recv_frame(conn))[0]
+    draft_ms = struct.unpack("<d", ipc.recv_frame(conn))[0]
     half.outcome = None  # the draft's memory: unmapped before the draft exits
     torch.cuda.synchronize()
-    cuda_ipc.send_frame(conn, b"bye")
+    ipc.send_frame(conn, b"bye")
     cycle_ms = elapsed * 1e3 / a.cycles
     target_ms = _median([b.elapsed_time(e) for b, e in timings])
     accept = tokens / steps
@@ -223,8 +223,8 @@ def _draft(a: argparse.Namespace, root: Path) -> None:
     assert isinstance(drafter, ModelDrafter)
     drafter.enable_graphs(batch_sizes=(1,), max_model_len=a.max_model_len, num_steps=(s,))
     layers = drafter.target_layer_ids
-    cuda_ipc.send_frame(conn, struct.pack(f"<{len(layers)}q", *layers))
-    frame = cuda_ipc.recv_frame(conn)
+    ipc.send_frame(conn, struct.pack(f"<{len(layers)}q", *layers))
+    frame = ipc.recv_frame(conn)
     tokens = list(struct.unpack(f"<{len(frame) // 8}q", frame))
     graphs = drafter.graphs
     assert graphs is not None
@@ -240,19 +240,19 @@ def _draft(a: argparse.Namespace, root: Path) -> None:
     outcome = half.begin(["r"], bucket)
     assert outcome.features is not None
     for tensor in (outcome.base, outcome.accepted, outcome.new, outcome.alive, outcome.features):
-        cuda_ipc.send_frame(conn, cuda_ipc.describe(tensor))
+        ipc.send_frame(conn, ipc.describe(tensor))
     half.chains = Chains(
-        tokens=cuda_ipc.open_buffer(cuda_ipc.recv_frame(conn), (1, w), torch.int64),
-        valid=cuda_ipc.open_buffer(cuda_ipc.recv_frame(conn), (1, s), torch.bool),
+        tokens=ipc.open_buffer(ipc.recv_frame(conn), (1, w), torch.int64),
+        valid=ipc.open_buffer(ipc.recv_frame(conn), (1, s), torch.bool),
     )
-    theirs = cuda_ipc.open_event(cuda_ipc.recv_frame(conn))
+    theirs = ipc.open_event(ipc.recv_frame(conn))
     mine = torch.cuda.Event(interprocess=True)
     mine.record()
-    cuda_ipc.send_frame(conn, mine.ipc_handle())
+    ipc.send_frame(conn, mine.ipc_handle())
     stream = torch.cuda.current_stream()
     timings = []
     for cycle in range(a.warmup + a.cycles):
-        cuda_ipc.recv_exactly(conn, 1)
+        ipc.recv_exactly(conn, 1)
         # An upper bound of the committed length: S+1 tokens a step (capacity only).
         assert half.reserve([len(tokens) + (cycle + 1) * w], 0), "draft pool full"
         stream.wait_event(theirs)
@@ -266,10 +266,10 @@ def _draft(a: argparse.Namespace, root: Path) -> None:
             timings.append((begin, end))
     torch.cuda.synchronize()
     draft_ms = _median([b.elapsed_time(e) for b, e in timings])
-    cuda_ipc.send_frame(conn, struct.pack("<d", draft_ms))
+    ipc.send_frame(conn, struct.pack("<d", draft_ms))
     half.chains = None
     torch.cuda.synchronize()
-    assert cuda_ipc.recv_frame(conn) == b"bye"
+    assert ipc.recv_frame(conn) == b"bye"
     conn.close()
 
 

@@ -19,7 +19,7 @@ and the draft's graph writes the tree the target reads next (``--tree-tokens`` i
 
 Prints cycle ms, idle (1 - (verify + draft) / cycle, with each graph timed alone), and the
 cycle over the floor. CUDA only; no pickle crosses the socket, only raw bytes: IPC handles
-(``tandem/cuda_ipc.py``), the messages, one-byte notices.
+(``tandem/ipc.py``), the messages, one-byte notices.
 
     python bench/ipc_handoff.py [--cycles 300] [--verify-ms 6.2] [--draft-ms 1.1] [--json]
 """
@@ -40,9 +40,9 @@ from pathlib import Path
 
 import torch
 
-from tandem import cuda_ipc
+from tandem import ipc
 
-_send, _recv = cuda_ipc.send_frame, cuda_ipc.recv_frame
+_send, _recv = ipc.send_frame, ipc.recv_frame
 ROWS, COLS = 32768, 16384  # a 1 GiB bf16 weight: every pass streams it from HBM (L2 is 50 MiB)
 HEADER = struct.Struct("<Q")
 
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ahead", type=int, default=2)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    if a.features_bytes > cuda_ipc.MAX_FRAME:
-        p.error(f"--features-bytes: at most {cuda_ipc.MAX_FRAME} (one frame on the socket)")
+    if a.features_bytes > ipc.MAX_FRAME:
+        p.error(f"--features-bytes: at most {ipc.MAX_FRAME} (one frame on the socket)")
     if not torch.cuda.is_available():
         sys.exit("ipc_handoff: needs a CUDA device")
     torch.cuda.set_device(0)
@@ -231,9 +231,9 @@ def _target(a: argparse.Namespace, mode: str, conn: socket.socket, passes: int) 
         # The draft maps both buffers and records its own event; one notice each way a cycle.
         mine = torch.cuda.Event(interprocess=True)
         mine.record()
-        for item in (cuda_ipc.describe(features), cuda_ipc.describe(tree), mine.ipc_handle()):
+        for item in (ipc.describe(features), ipc.describe(tree), mine.ipc_handle()):
             _send(conn, item)
-        theirs = cuda_ipc.open_event(_recv(conn))
+        theirs = ipc.open_event(_recv(conn))
     verify = Side(passes, inbox=tree, outbox=features)
     _send(conn, b"ready")
     assert _recv(conn) == b"ready"
@@ -257,7 +257,7 @@ def _target(a: argparse.Namespace, mode: str, conn: socket.socket, passes: int) 
         verify.replay()
         mine.record()
         conn.sendall(b"v")
-        cuda_ipc.recv_exactly(conn, 1)
+        ipc.recv_exactly(conn, 1)
         torch.cuda.current_stream().wait_event(theirs)
         pacer.mark()
 
@@ -271,9 +271,9 @@ def _draft(a: argparse.Namespace) -> None:
     passes = a.passes
     total = a.warmup + a.cycles  # as the target's _timed runs them
     if a.mode == "ipc":
-        features = cuda_ipc.open_buffer(_recv(conn), (a.features_bytes,), torch.uint8)
-        tree = cuda_ipc.open_buffer(_recv(conn), (a.tree_tokens * 8,), torch.uint8)
-        theirs = cuda_ipc.open_event(_recv(conn))
+        features = ipc.open_buffer(_recv(conn), (a.features_bytes,), torch.uint8)
+        tree = ipc.open_buffer(_recv(conn), (a.tree_tokens * 8,), torch.uint8)
+        theirs = ipc.open_event(_recv(conn))
         mine = torch.cuda.Event(interprocess=True)
         mine.record()
         _send(conn, mine.ipc_handle())
@@ -282,7 +282,7 @@ def _draft(a: argparse.Namespace) -> None:
         assert _recv(conn) == b"ready"
         pacer = _Pacer(a.ahead)
         for _ in range(total):
-            cuda_ipc.recv_exactly(conn, 1)
+            ipc.recv_exactly(conn, 1)
             pacer.wait()
             torch.cuda.current_stream().wait_event(theirs)
             draft.replay()
@@ -332,7 +332,7 @@ def _buffers(conn: socket.socket) -> None:
 
 
 def _recv_into(conn: socket.socket, host: torch.Tensor) -> None:
-    (n,) = HEADER.unpack(cuda_ipc.recv_exactly(conn, HEADER.size))
+    (n,) = HEADER.unpack(ipc.recv_exactly(conn, HEADER.size))
     if n != host.numel():
         raise ValueError(f"expected {host.numel()} bytes, got {n}")
     view = host.numpy().data.cast("B")
