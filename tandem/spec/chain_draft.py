@@ -119,6 +119,9 @@ class DraftChain:
                 alive=torch.zeros(bs, dtype=torch.bool, device=dev),
                 features=None if extend.features is None else extend.features[: bs * w],
             )
+            share_on_cpu(outcome.base, outcome.accepted, outcome.new, outcome.alive)
+            if outcome.features is not None:
+                share_on_cpu(outcome.features)  # the extend bucket's rows, moved in place
             self._outcomes[bucket] = outcome
         self.outcome = outcome
         return outcome
@@ -233,6 +236,14 @@ class DraftChain:
                 seq.feature_start = len(seq.tokens) - 2
         self.request_ids = []
         self.outcome = self.chains = None
+
+
+def share_on_cpu(*tensors: torch.Tensor) -> None:
+    """CPU buffers another process may map move to shared memory (``tandem/ipc.py``'s
+    stand-in for CUDA IPC); on CUDA nothing is needed."""
+    for tensor in tensors:
+        if tensor.device.type == "cpu":
+            tensor.share_memory_()
 
 
 def grow_tables(tables: Sequence[torch.Tensor], row: int, pages: list[int], written: int) -> int:

@@ -28,7 +28,7 @@ from tandem.graph_buffers import Bucket, capture_graph
 from tandem.graphs import TargetGraphRunner
 from tandem.kv import KVCache
 from tandem.request import Request
-from tandem.spec.chain_draft import Chains, Outcome, grow_tables, slots
+from tandem.spec.chain_draft import Chains, Outcome, grow_tables, share_on_cpu, slots
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import Tree
 
@@ -156,6 +156,7 @@ class TargetChain:
                     valid=torch.zeros(bs, self.num_steps, dtype=torch.bool, device=dev),
                 ),
             )
+            share_on_cpu(static.chains.tokens, static.chains.valid)
             self._statics[bucket] = static
         return static
 
