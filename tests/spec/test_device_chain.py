@@ -115,8 +115,8 @@ def test_device_chain_output_equals_target_only(
 
 def test_a_run_ends_in_the_state_of_ordinary_steps(ckpts: Checkpoints) -> None:
     """After a run ends, the engine's and the drafter's host state (KV lengths, tokens, the
-    next tree) let the ordinary path continue; its trees match what a twin engine without
-    the device chain would hold."""
+    next tree, the kept feature) is what the ordinary path reads, and its output goes on
+    equal to target-only."""
     engine = chain_engine(ckpts, "eagle3", 3)
     chain = engine.chain
     assert chain is not None
@@ -147,6 +147,33 @@ def test_a_run_ends_in_the_state_of_ordinary_steps(ckpts: Checkpoints) -> None:
             engine.abort(rid)
     engine.flush_draft()
     check_pools_empty(engine)
+
+
+def test_an_abort_during_a_run_loses_nothing_of_the_others(ckpts: Checkpoints) -> None:
+    """A request aborted while its steps are in flight: the run ends at the next step, its
+    rows of the steps in flight are dropped, its pages go back, and the other request's
+    output stays target-only's."""
+    engine = chain_engine(ckpts, "eagle3", 3)
+    chain = engine.chain
+    assert chain is not None
+    prompts = ([5, 9, 17, 4, 250, 31], [8, 8, 40, 3])
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    kept, aborted = (engine.add_request(p, params) for p in prompts)
+    while not chain.active:
+        engine.step()
+    engine.step()
+    assert chain.active and chain.unread
+    engine.abort(aborted)
+    engine.step()  # reads what is in flight, ends the run
+    assert not chain.active and not chain.unread
+    while engine.has_unfinished():
+        engine.step()
+    engine.flush_draft()
+    result = engine.pop_finished(kept)
+    assert result.token_ids == reference_tokens(ckpts, list(prompts[0]), 40)
+    assert engine.pop_finished(aborted).finish_reason.value == "abort"
+    check_pools_empty(engine)
+    assert engine.kv.allocator.num_free_pages == engine.kv.allocator.num_pages
 
 
 def test_simulated_acceptance_runs_on_the_device(ckpts: Checkpoints) -> None:
