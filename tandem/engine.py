@@ -38,7 +38,7 @@ from tandem.sampling import SamplingParams, make_generator
 from tandem.scheduler import ScheduledBatch, Scheduler
 from tandem.spec.base import Drafter
 from tandem.spec.build import enable_draft_graphs
-from tandem.spec.device_chain import DeviceChain, unsupported
+from tandem.spec.device_chain import DeviceChain
 from tandem.spec.exchange import DraftExchange
 from tandem.spec.policy import NeverSpeculate, SpecPolicy
 from tandem.spec.simulate import AcceptSimulator
@@ -164,23 +164,6 @@ class Engine(AheadSteps, ChainSteps):
         self.chain: DeviceChain | None = None  # speculative steps launched ahead (device_chain)
         if config.device_chain:
             self.enable_device_chain()
-
-    def enable_device_chain(self) -> DeviceChain:
-        """Runs steady greedy chain speculation as device-chain steps
-        (``tandem/spec/device_chain.py``); ValueError says why this engine cannot."""
-        problem = unsupported(self.drafter, self.spec, self.runner.graphs)
-        if problem or self.drafter is None or self.spec is None:
-            raise ValueError(f"device_chain: {problem}")
-        assert self.runner.graphs is not None
-        self.chain = DeviceChain(
-            target=self.runner.graphs,
-            kv=self.kv,
-            drafter=self.drafter,  # type: ignore[arg-type]
-            spec=self.spec,
-            simulator=self.simulator,
-            max_model_len=self.max_model_len,
-        )
-        return self.chain
 
     def _num_pages(self, spec: KVCacheSpec) -> int:
         c = self.config
@@ -388,20 +371,6 @@ class Engine(AheadSteps, ChainSteps):
                 ingesting=ingesting,
             )
         return results
-
-    def _chain_ready(self, lanes: set[int], lane: int) -> bool:
-        """Whether a device-chain run may start now: one lane, the draft holding nothing back
-        and owing no answer, no decode step in flight, the requests in the steady state."""
-        exchange, chain = self.exchange, self.chain
-        return (
-            chain is not None
-            and exchange is not None
-            and lanes == {lane}
-            and self.in_flight is None
-            and not exchange.awaiting
-            and not exchange.catching_up
-            and chain.can_start(self.scheduler)
-        )
 
     def _verify(
         self, batch: ScheduledBatch, inputs: ModelInputs, outputs: ModelOutputs

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import time
 
+from tandem import ahead
 from tandem.clock import StepTiming
+from tandem.kv import KVCache
 from tandem.request import RequestOutput
+from tandem.runner import ModelRunner
 from tandem.scheduler import ScheduledBatch, Scheduler
-from tandem.spec.device_chain import ChainRead, DeviceChain
+from tandem.spec.base import Drafter
+from tandem.spec.device_chain import ChainRead, DeviceChain, unsupported
+from tandem.spec.exchange import DraftExchange
 from tandem.spec.policy import SpecPolicy
-from tandem.spec.types import SpecStats
+from tandem.spec.simulate import AcceptSimulator
+from tandem.spec.types import SpecConfig, SpecStats
 
 
 class ChainSteps:
@@ -22,6 +28,14 @@ class ChainSteps:
 
     # The engine's state these steps use (tandem/engine.py sets it).
     chain: DeviceChain | None
+    drafter: Drafter | None
+    spec: SpecConfig | None
+    runner: ModelRunner
+    kv: KVCache
+    simulator: AcceptSimulator | None
+    max_model_len: int
+    exchange: DraftExchange | None
+    in_flight: ahead.InFlight | None
     scheduler: Scheduler
     policy: SpecPolicy | None
     last_speculated: bool
@@ -30,6 +44,37 @@ class ChainSteps:
 
     def _policy_ns(self, started: int) -> int:
         raise NotImplementedError
+
+    def enable_device_chain(self) -> DeviceChain:
+        """Runs steady greedy chain speculation as device-chain steps
+        (``tandem/spec/device_chain.py``); ValueError says why this engine cannot."""
+        problem = unsupported(self.drafter, self.spec, self.runner.graphs)
+        if problem or self.drafter is None or self.spec is None:
+            raise ValueError(f"device_chain: {problem}")
+        assert self.runner.graphs is not None
+        self.chain = DeviceChain(
+            target=self.runner.graphs,
+            kv=self.kv,
+            drafter=self.drafter,  # type: ignore[arg-type]
+            spec=self.spec,
+            simulator=self.simulator,
+            max_model_len=self.max_model_len,
+        )
+        return self.chain
+
+    def _chain_ready(self, lanes: set[int], lane: int) -> bool:
+        """Whether a device-chain run may start now: one lane, the draft holding nothing back
+        and owing no answer, no decode step in flight, the requests in the steady state."""
+        exchange, chain = self.exchange, self.chain
+        return (
+            chain is not None
+            and exchange is not None
+            and lanes == {lane}
+            and self.in_flight is None
+            and not exchange.awaiting
+            and not exchange.catching_up
+            and chain.can_start(self.scheduler)
+        )
 
     def _chain_step(self, policy_batch: int, started: int) -> list[RequestOutput]:
         """Launches the run's next step, reads the oldest unread one and commits it; a run
