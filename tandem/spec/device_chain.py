@@ -75,12 +75,12 @@ def unsupported(drafter: object, spec: SpecConfig | None, target: TargetGraphRun
     """Why an engine cannot run device-chain steps ('' when it can)."""
     if spec is None or spec.topk != 1:
         return "needs chains (topk 1)"
+    if target is None or spec.num_steps + 1 not in target.widths:
+        return "needs CUDA graphs (a CUDA device, cuda_graphs on) with a bucket width of S+1"
     if not isinstance(drafter, ModelDrafter) or drafter.graphs is None:
         return "needs an in-process drafter with draft graphs"
     if len(drafter.modules) != 1:
         return "needs a one-module draft (EAGLE-3, EAGLE, a standalone LM)"
-    if target is None or spec.num_steps + 1 not in target.widths:
-        return "needs the target's CUDA graphs (cuda_graphs) with a bucket width of S+1"
     return ""
 
 

@@ -213,3 +213,11 @@ def test_captured_device_chain_equals_target_only(ckpts: Checkpoints) -> None:
     steps = chain.target.steps  # device-chain steps per bucket, each one captured graph
     assert len({b.batch_size for b in steps}) >= 2, steps
     check_pools_empty(engine)
+
+
+def test_an_engine_that_cannot_says_why(ckpts: Checkpoints) -> None:
+    """device_chain without CUDA graphs is refused at construction, naming what is missing."""
+    drafter = make_drafter(ckpts, "eagle3", "cpu")
+    config = EngineConfig(model=ckpts.target, device="cpu", num_pages=64, device_chain=True)
+    with pytest.raises(ValueError, match="needs CUDA graphs"):
+        Engine(config, drafter=drafter, spec=SpecConfig(num_steps=3, topk=1))
