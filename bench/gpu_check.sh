@@ -3,7 +3,7 @@
 # GPU image's versions (torch 2.11, transformers 5.17, grpcio 1.84). Prints a short table; full
 # logs go to $OUT. Usage on the device machine, from the repo root:
 #
-#   bash bench/gpu_check.sh [SECTION ...]     sections: gpu compiled kernels profile parity cpu
+#   bash bench/gpu_check.sh [SECTION ...]     sections: gpu compiled kernels profile parity chain cpu
 #                                             (default: gpu compiled kernels)
 #
 # One call may run 600 s: `gpu` alone takes about 450 s on an H100 (every test process compiles
@@ -75,6 +75,11 @@ if want parity; then
     > "$OUT/parity.txt" 2>&1
   rc=$?; row "bench/gpu_parity.py" $rc "$OUT/parity.txt"; rc_all=$((rc_all | rc))
 fi
+if want chain; then
+  # Device-chain halves in two processes on one GPU (docs/device-cycle.md): cycle, idle, SOL.
+  python3 bench/chain_ipc.py --cycles 300 > "$OUT/chain_ipc.txt" 2>&1
+  rc=$?; row "bench/chain_ipc.py" $rc "$OUT/chain_ipc.txt"; rc_all=$((rc_all | rc))
+fi
 if want cpu; then
   # test_protos regenerates stubs with grpcio-tools and runs buf: neither is on the GPU image.
   python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/unit/test_protos.py \
@@ -86,7 +91,7 @@ fi
 printf '%-44s %-8s %s\n' "check" "result" "summary"
 printf '%s\n' "${rows[@]}"
 for f in "$OUT"/kernels_bench.txt "$OUT"/attention_bench.txt "$OUT"/fused_bench.txt \
-         "$OUT"/profile_bs*.txt "$OUT"/parity.txt; do
+         "$OUT"/profile_bs*.txt "$OUT"/parity.txt "$OUT"/chain_ipc.txt; do
   [ -f "$f" ] && { echo; echo "== $(basename "$f")"; cat "$f"; }
 done
 exit $rc_all
