@@ -36,8 +36,9 @@ halves in one process and keeps the run's host bookkeeping.
 A run starts only in the steady state (``can_start``): every running request decoding
 greedily without penalties in one lane, each tracked by an in-process ``ModelDrafter`` with
 draft graphs and one module (EAGLE-3, EAGLE, a standalone LM) and holding a chain tree, no
-prompt waiting, graph buckets for the batch, room for three more steps under every request's
-limits. The engine ends it when any of that changes (``tandem/engine_chain.py``).
+prompt waiting, graph buckets for the batch, context for three more steps (``max_new_tokens``
+needs none: a request that passes it finishes at the read, its extra tokens dropped). The
+engine ends it when any of that changes (``tandem/engine_chain.py``).
 """
 
 from __future__ import annotations
@@ -126,8 +127,10 @@ class DeviceChain:
         return min(self.max_model_len, len(req.prompt_ids) + req.params.max_new_tokens)
 
     def has_room(self, req: Request) -> bool:
-        """Room for the steps a run may have launched past the last read, and one more."""
-        return req.num_tokens + _STEPS_AHEAD * self.width <= self._limit(req)
+        """Context for the steps a run may have launched past the last read, and one more.
+        ``max_new_tokens`` needs no room: a step that passes it commits up to it (the rest is
+        dropped when the tokens are appended) and the request finishes at that read."""
+        return req.num_tokens + _STEPS_AHEAD * self.width <= self.max_model_len
 
     def _eligible(self, req: Request) -> bool:
         p, tree = req.params, req.tree
@@ -160,7 +163,7 @@ class DeviceChain:
         if any(req.finished for req in self.reqs):
             return "a request finished"
         if not all(self.has_room(req) for req in self.reqs):
-            return "a request is near its length limit"
+            return "a request is near the context length"
         return ""
 
     # -- launching and reading ----------------------------------------------------------------
