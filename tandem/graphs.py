@@ -279,11 +279,7 @@ class TargetGraphRunner:
         if batch.device_ids is not None:
             assert batch.bucket.width == 1, "device ids are one token per request"
             entry.input_ids[: len(batch.device_ids)].copy_(batch.device_ids)
-        if entry.graph is not None:
-            entry.graph.replay()
-        else:
-            self._forward(entry)
-        self.replays[batch.bucket] = self.replays.get(batch.bucket, 0) + 1
+        self.replay(batch.bucket)
         rows = entry.rows[: len(batch.rows)]
         logits = self._logits.index_select(0, rows)
         features = None if self._features is None else self._features.index_select(0, rows)

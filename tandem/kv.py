@@ -152,6 +152,15 @@ class PageAllocator:
         self._pages[req_id].extend(new_pages)
         self._num_tokens[req_id] += num_tokens
 
+    def extend_all(self, grow: Sequence[tuple[str, int]]) -> bool:
+        """Grows each ``(req_id, num_tokens)`` of ``grow`` (distinct requests) as ``extend``
+        does, all or none: False, and nothing changed, when the free pages cannot hold them."""
+        if sum(self.pages_needed(r, n) for r, n in grow) > len(self._free):
+            return False
+        for req_id, num_tokens in grow:
+            self.extend(req_id, num_tokens)
+        return True
+
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Shrink ``req_id``'s capacity to ``num_tokens``, freeing the pages it no longer needs."""
         pages = self._pages_of(req_id)

@@ -72,6 +72,7 @@ class DraftChain:
         self.chains: Chains | None = None
         self._outcomes: dict[Bucket, Outcome] = {}  # kept across runs: graphs write them
         self._graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, int]] = {}  # graph, Chains ptr
+        self.steps: dict[Bucket, int] = {}  # steps launched per bucket
 
     def eligible(self, request_id: str, num_tokens: int) -> bool:
         """Whether the drafter holds ``request_id`` in step with ``num_tokens`` committed
@@ -133,15 +134,12 @@ class DraftChain:
 
     def reserve(self, lengths: Sequence[int], unread: int) -> bool:
         """Grows every row to ``needs``; False (nothing changed) when the pool cannot."""
-        grow = [
-            (rid, max(0, self.needs(n, unread) - self.alloc.num_tokens(rid)))
-            for rid, n in zip(self.request_ids, lengths, strict=True)
-        ]
-        if sum(self.alloc.pages_needed(rid, n) for rid, n in grow) > self.alloc.num_free_pages:
-            return False
-        for rid, n in grow:
-            self.alloc.extend(rid, n)
-        return True
+        return self.alloc.extend_all(
+            [
+                (rid, max(0, self.needs(n, unread) - self.alloc.num_tokens(rid)))
+                for rid, n in zip(self.request_ids, lengths, strict=True)
+            ]
+        )
 
     def _sync_pages(self) -> None:
         bucket = self._bucket
@@ -159,6 +157,7 @@ class DraftChain:
         assert self.outcome is not None and self.chains is not None
         self._sync_pages()
         bucket = self._bucket
+        self.steps[bucket] = self.steps.get(bucket, 0) + 1
         if not self.graphs.use_graphs:
             self._step()
             return
@@ -169,7 +168,6 @@ class DraftChain:
             graph = capture_graph(self.device, pool, self._step)
             self._graphs[bucket] = (graph, self.chains.tokens.data_ptr())
         graph.replay()
-        self.graphs.replays[("chain", bucket)] = self.graphs.replays.get(("chain", bucket), 0) + 1
 
     def _step(self) -> None:
         """The captured region: extend inputs, extend, loop inputs, loop, the next chains.

@@ -30,7 +30,7 @@ from tandem.kv import KVCache
 from tandem.request import Request
 from tandem.spec.chain_draft import Chains, Outcome, grow_tables, share_on_cpu, slots
 from tandem.spec.simulate import AcceptSimulator
-from tandem.spec.types import Tree
+from tandem.spec.types import Tree, valid_depth
 
 _RING = 3  # verdict slots in pinned memory: at most two steps are unread at once
 
@@ -105,15 +105,12 @@ class TargetChain:
         """KV capacity for a launch with ``unread`` steps unread: its verify writes up to
         ``L - 1 + (unread+1)(S+1) - 1``. False (nothing changed) when the pool cannot."""
         reach = (unread + 1) * self.width
-        grow = [
-            (r.request_id, max(0, r.num_tokens + reach - self.alloc.num_tokens(r.request_id)))
-            for r in reqs
-        ]
-        if sum(self.alloc.pages_needed(rid, n) for rid, n in grow) > self.alloc.num_free_pages:
-            return False
-        for rid, n in grow:
-            self.alloc.extend(rid, n)
-        return True
+        return self.alloc.extend_all(
+            [
+                (r.request_id, max(0, r.num_tokens + reach - self.alloc.num_tokens(r.request_id)))
+                for r in reqs
+            ]
+        )
 
     def begin(self, reqs: Sequence[Request], bucket: Bucket) -> Chains:
         """Stages the verify bucket for a run of ``reqs`` (reserved already) with their trees
@@ -127,7 +124,7 @@ class TargetChain:
             drafts = list(req.tree.tokens[1:])
             tokens.append([req.tree.tokens[0], *drafts, *[0] * (w - 1 - len(drafts))])
             valid.append([k < len(drafts) for k in range(self.num_steps)])
-            chains.append(Tree(tokens=tuple(tokens[-1]), parents=(-1, *range(w - 1))))
+            chains.append(Tree.chain(tokens[-1]))
         missing = bs - n
         static = self._static(bucket)
         static.alive.copy_(torch.tensor([True] * n + [False] * missing))
@@ -263,11 +260,9 @@ class TargetChain:
         assert self.chains is not None
         tokens = self.chains.tokens[:count].tolist()
         valid = self.chains.valid[:count].tolist()
-        trees = []
-        for row, ok in zip(tokens, valid, strict=True):
-            depth = next((k for k in range(self.num_steps) if not ok[k]), self.num_steps)
-            trees.append(Tree(tokens=tuple(row[: depth + 1]), parents=(-1, *range(depth))))
-        return trees
+        return [
+            Tree.chain(row[: valid_depth(ok) + 1]) for row, ok in zip(tokens, valid, strict=True)
+        ]
 
     def end(self) -> None:
         self.request_ids = []

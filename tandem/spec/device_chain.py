@@ -141,7 +141,7 @@ class DeviceChain:
             and p.repetition_penalty == 1.0
             and tree is not None
             and len(tree) <= self.width
-            and tree.parents == (-1, *range(len(tree) - 1))
+            and tree.is_chain
             and self.draft.eligible(req.request_id, req.num_tokens)
             and self.has_room(req)
         )

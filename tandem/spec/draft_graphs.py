@@ -56,7 +56,7 @@ from tandem.spec.draft_buffers import (
     build_loop_entry,
 )
 from tandem.spec.draft_plan import PAD_BASE, chain_schedule, plan_extend, plan_loop
-from tandem.spec.types import Tree
+from tandem.spec.types import Tree, valid_depth
 
 if TYPE_CHECKING:
     from tandem.attention.triton_backend import TritonAttention
@@ -151,7 +151,7 @@ class DraftGraphRunner:
         self.static.stage(entry, plan.values(entry, d.kvs))
         for m in schedule.roots:
             self.last_in[m][: len(seqs)].copy_(torch.stack([s.last_out[m] for s in seqs]))  # type: ignore[misc]
-        self.replay("loop", entry)
+        self._replay("loop", entry)
         ids, _, valid = entry.result[:, : len(seqs)].tolist()
         d.model_ns += time.perf_counter_ns() - started
         trees = {}
@@ -161,10 +161,8 @@ class DraftGraphRunner:
             # The chain stops above the first step with NaN/inf logits, as on the host. What
             # CandidatePool.to_tree gives for a chain (scores only fall along it), built
             # directly: this loop runs per request and step on the host.
-            depth = next((s for s in range(num_steps) if not valid[i][s]), num_steps)
-            depth = min(depth, seq.spec.tree_size - 1)
-            tokens = (seq.tokens[-1], *(int(t) for t in ids[i][:depth]))
-            trees[request_id] = Tree(tokens=tokens, parents=(-1, *range(depth)))
+            depth = min(valid_depth(valid[i]), seq.spec.tree_size - 1)
+            trees[request_id] = Tree.chain([seq.tokens[-1], *(int(t) for t in ids[i][:depth])])
         return trees
 
     def _loop_forward(self, entry: LoopEntry) -> None:
@@ -239,7 +237,7 @@ class DraftGraphRunner:
             for i, old in enumerate(olds):
                 if old is not None:
                     self.last_in[m][i].copy_(old)
-        self.replay("extend", entry)
+        self._replay("extend", entry)
         news = [buf[: len(ids)].clone() for buf in self.last_out]
         d.model_ns += time.perf_counter_ns() - started
         for m, counts in enumerate(plan.counts):
@@ -343,8 +341,7 @@ class DraftGraphRunner:
         graph of the caller's own holds around it (``tandem/spec/chain_draft.py``)."""
         self._forward(entry)
 
-    def replay(self, kind: str, entry: LoopEntry | ExtendEntry) -> None:
-        """Runs ``entry`` (of ``kind``: "loop" or "extend") on its static inputs as they are."""
+    def _replay(self, kind: str, entry: LoopEntry | ExtendEntry) -> None:
         if entry.graph is not None:
             entry.graph.replay()
         else:

@@ -3,6 +3,7 @@ and draft (DESIGN.md section 3; the in-process twin of ``draft.proto``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -45,6 +46,12 @@ class SpecConfig:
         return self.topk + (self.num_steps - 1) * self.topk**2
 
 
+def valid_depth(valid: Sequence[bool | float]) -> int:
+    """A drafted chain's usable depth: its drafts before the first invalid one (a step whose
+    logits were NaN/inf ends the chain there)."""
+    return next((k for k, ok in enumerate(valid) if not ok), len(valid))
+
+
 @dataclass(frozen=True)
 class Tree:
     """A draft tree: node 0 is the verified token; ``parents[i] < i`` for i > 0."""
@@ -54,6 +61,15 @@ class Tree:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> Tree:
+        """A chain (K=1): node i's parent is node i-1."""
+        return cls(tokens=tuple(tokens), parents=(-1, *range(len(tokens) - 1)))
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(-1, len(self.parents) - 1))
 
     def ancestor_mask(self) -> torch.Tensor:  # [N, N] bool
         """Row i marks node i and its ancestors: what node i attends to within the tree."""

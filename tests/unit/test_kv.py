@@ -181,6 +181,16 @@ def test_extend_exhaustion_leaves_state_unchanged() -> None:
     assert alloc.num_free_pages == 1
 
 
+def test_extend_all_is_all_or_none() -> None:
+    alloc = PageAllocator(4, 4)
+    alloc.allocate("a", 3)
+    alloc.allocate("b", 4)
+    assert not alloc.extend_all([("a", 1), ("b", 9)])  # 1 + 3 pages needed, 2 free
+    assert (alloc.num_tokens("a"), alloc.num_tokens("b"), alloc.num_free_pages) == (3, 4, 2)
+    assert alloc.extend_all([("a", 2), ("b", 4)])  # 1 + 1 pages
+    assert (alloc.num_tokens("a"), alloc.num_tokens("b"), alloc.num_free_pages) == (5, 8, 0)
+
+
 def test_unknown_request_ids_raise_not_found() -> None:
     alloc = PageAllocator(4, 4)
     calls = [
