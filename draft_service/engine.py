@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import torch
 
+from draft_service.chain import ChainRun
 from draft_service.worker import Worker
 from tandem import profiling, transfer
 from tandem.config import DTYPES
@@ -91,6 +92,24 @@ class DraftEngine:
         # The target drives the draft's steps: the draft's window follows the target's.
         self._profile = profiling.step_window("draft", config.device, follow=True)  # None: off
         self._stop_ticks = threading.Event()
+        # A stream's device-chain run while it lasts (draft_service/chain.py): the drafter's
+        # buckets hold its inputs, so any other step disturbs it.
+        self.chain_run: ChainRun | None = None
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """The loaded drafter (worker thread only)."""
+        return self._drafter
+
+    def other_streams_tracked(self, stream: int) -> bool:
+        """Whether a stream other than ``stream`` holds requests (worker thread only)."""
+        return any(ids for s, ids in self._tracked.items() if s != stream)
+
+    def untrack(self, stream: int, request_ids: Sequence[str]) -> None:
+        """Requests a device-chain run released itself (worker thread only)."""
+        self._tracked.get(stream, set()).difference_update(request_ids)
+        kv = self._kv_usage()
+        self._last_kv = (kv.pages_used, kv.pages_total)
 
     def last_kv_usage(self) -> tuple[int, int]:
         """The pool after the last step; readable from any thread without waiting."""
@@ -164,12 +183,13 @@ class DraftEngine:
         started = time.perf_counter()
         target = ModelConfig.from_pretrained(self.config.target)
         drafter = build_drafter(self.config, target.num_layers)
-        if self.config.use_cuda_graphs:
+        if self.config.use_cuda_graphs or self.config.static_buckets:
             enable_draft_graphs(
                 drafter,
                 batch_sizes=self.config.cuda_graph_batch_sizes,
                 max_model_len=target.max_position_embeddings,
                 num_steps=self.config.cuda_graph_steps,
+                capture=self.config.use_cuda_graphs,
             )
         vocab = target.vocab_size
         if isinstance(drafter, ModelDrafter):
@@ -226,6 +246,8 @@ class DraftEngine:
         callback already is there)."""
         assert threading.current_thread().name == "draft-engine", "step_here off the worker"
         assert self._drafter is not None, "step before load"
+        if self.chain_run is not None:
+            self.chain_run.disturbed = f"stream {stream} stepped the draft during the run"
         prefix = f"{stream}/"
         tracked = self._tracked.setdefault(stream, set())
         tracked.difference_update(released)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
+from draft_service.chain import ChainPeer, transport_for
 from draft_service.session import StreamSteps
 from tandem.errors import InvalidRequest
 from tandem.local_stream import FrameBuffer, check_path, encode
@@ -109,6 +110,7 @@ class _Connection:
         self.sock = sock
         self.frames = FrameBuffer(streams.max_message_bytes)
         self.steps: StreamSteps | None = None
+        self.chain: ChainPeer | None = None  # device-chain runs, when the hellos chose them
         self.closed = False
 
     def on_readable(self) -> None:
@@ -132,10 +134,36 @@ class _Connection:
             if info is None:
                 raise ConnectionError("the draft model is loading")
             self.steps = StreamSteps(servicer, info, f"unix:{self.streams.path}")
+        if self._chain_message(request):
+            return
         work = self.steps.begin(request)
         stream = self.steps.stream_id
         result = servicer.engine.step_here(stream, work.admits, work.outcomes, work.released)
-        self.sock.sendall(encode(self.steps.finish(request, work, result)))
+        response = self.steps.finish(request, work, result)
+        if response.HasField("hello"):  # the stream's first answer: device-chain runs?
+            transport = transport_for(servicer.engine, list(request.hello.tensor_transports))
+            if transport:
+                response.hello.tensor_transports.append(transport)  # type: ignore[arg-type]
+                self.chain = ChainPeer(servicer.engine, self.steps, transport)
+        self.sock.sendall(encode(response))
+
+    def _chain_message(self, request: draft_pb2.SpeculateRequest) -> bool:
+        """A device-chain message (``draft_service.chain``) handled and answered; False for
+        any other. One on a stream that did not agree to them ends it."""
+        kind = _chain_kind(request)
+        if kind is None:
+            return False
+        if self.chain is None:
+            raise InvalidRequest(kind, "this stream's hellos chose no device-chain transport")
+        if kind == "chain_begin":
+            ready = self.chain.begin(request.chain_begin)
+            self.sock.sendall(encode(draft_pb2.SpeculateResponse(chain_ready=ready)))
+        elif kind == "chain_step":
+            done = self.chain.step(request.chain_step)
+            self.sock.sendall(encode(draft_pb2.SpeculateResponse(chain_step_done=done)))
+        else:
+            self.chain.end(request.chain_end)
+        return True
 
     def close(self, reason: str) -> None:
         if self.closed:
@@ -144,9 +172,18 @@ class _Connection:
         logger.info("local stream ended: %s", reason)
         self.streams._worker.unwatch(self.sock)
         self.sock.close()
+        if self.chain is not None:
+            self.chain.close()
         if self.steps is not None:
             self.steps.close()
         self.streams._closed(self)
+
+
+def _chain_kind(request: draft_pb2.SpeculateRequest) -> str | None:
+    for kind in ("chain_begin", "chain_step", "chain_end"):
+        if request.HasField(kind):
+            return kind
+    return None
 
 
 def _remove_stale(path: str) -> None:

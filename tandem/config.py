@@ -39,8 +39,9 @@ class EngineConfig:
     # Plain greedy decode steps (target-only, K=0) launch the next step before reading the
     # last one (tandem/ahead.py); False runs every step synchronously.
     overlap: bool = True
-    # Steady greedy chain speculation with an in-process drafter runs as device-chain steps:
-    # each launched before the last one is read (tandem/spec/device_chain.py). Needs graphs.
+    # Steady greedy chain speculation runs as device-chain steps: each launched before the
+    # last one is read (tandem/spec/device_chain.py), with an in-process drafter or a draft
+    # service on the local stream (tandem/spec/chain_remote.py). Needs graphs.
     device_chain: bool = False
     # The target's projection weights stored transposed (DecoderLM.use_transposed_weights):
     # cuBLAS's faster layout for decode-sized GEMMs; None = on for CUDA devices.

@@ -349,6 +349,14 @@ class RemoteDrafter(DraftStreams, Drafter):
         self.submit(0, admits, outcomes, released)
         return self.collect(0)
 
+    def chain_link(self) -> LocalLink | None:
+        """The local link, when its draft agreed to device-chain runs
+        (``tandem/spec/chain_remote.py``); None otherwise."""
+        link = self._local
+        if link is None or link.broken is not None or not link.chain_transport:
+            return None
+        return link
+
     def take_dropped(self) -> list[str]:
         with self._dropped_lock:
             dropped, self._dropped = self._dropped, []

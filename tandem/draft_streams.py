@@ -328,6 +328,11 @@ class DraftStreams:
         if not (self.local_stream and path and info.instance_id and os.path.exists(path)):
             return None
         hello = self._hello()
+        # Device-chain runs (tandem/spec/chain_remote.py) on this link only: the draft picks
+        # the one its device can share, or none.
+        hello.tensor_transports.extend(
+            [draft_pb2.TENSOR_TRANSPORT_CUDA_IPC, draft_pb2.TENSOR_TRANSPORT_SHM]
+        )
         connect = functools.partial(
             LocalLink.connect,
             path,

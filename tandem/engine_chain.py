@@ -55,7 +55,7 @@ class ChainSteps:
         self.chain = DeviceChain(
             target=self.runner.graphs,
             kv=self.kv,
-            drafter=self.drafter,  # type: ignore[arg-type]
+            drafter=self.drafter,
             spec=self.spec,
             simulator=self.simulator,
             max_model_len=self.max_model_len,
@@ -78,16 +78,17 @@ class ChainSteps:
 
     def _chain_step(self, policy_batch: int, started: int) -> list[RequestOutput]:
         """Launches the run's next step, reads the oldest unread one and commits it; a run
-        that cannot launch (a pool is full) or whose request finished ends here."""
+        that cannot launch (a pool is full, the draft did not answer) or whose request
+        finished ends here."""
         chain = self.chain
         assert chain is not None and chain.active
-        launched = chain.launch()
+        problem = chain.launch()
         waited = time.perf_counter_ns()
         self.last_stats = SpecStats()
         outputs = self._commit_chain(chain.read())
         wait_ns = time.perf_counter_ns() - waited
         self.last_speculated = True
-        reason = chain.stop_reason(self.scheduler) if launched else "a KV pool is full"
+        reason = problem or chain.stop_reason(self.scheduler)
         if reason:
             outputs = _merge(outputs + self._end_chain(reason))
         self.last_timing = StepTiming(total_ns=time.perf_counter_ns() - started, forward_ns=wait_ns)

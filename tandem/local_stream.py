@@ -147,6 +147,7 @@ class LocalLink:
         self.kv_usage = common_pb2.KvUsage()
         self.late_responses = 0
         self.broken: str | None = None
+        self._chain_answers: list[draft_pb2.SpeculateResponse] = []  # ChainReady/StepDone
 
     @classmethod
     def connect(
@@ -227,6 +228,35 @@ class LocalLink:
                 return 0, False
             return step_id, wanted
 
+    def post(self, request: draft_pb2.SpeculateRequest) -> bool:
+        """Writes a message that is not a step (device-chain runs, ``tandem/spec/
+        chain_remote.py``); False when the link is (now) broken."""
+        with self._send_lock:
+            if self.broken is not None:
+                return False
+            try:
+                self.sock.sendall(encode(request))
+            except OSError as exc:
+                self._fail(f"send failed: {exc!r}")
+                return False
+            return True
+
+    def call(
+        self, request: draft_pb2.SpeculateRequest, deadline: float
+    ) -> draft_pb2.SpeculateResponse | None:
+        """Posts a ChainBegin or ChainStep and reads until its answer is in (engine thread);
+        None when ``deadline`` passes first or the link breaks. Answers come in order: one
+        call waits at a time, so the next chain answer is this one's."""
+        self._chain_answers.clear()  # a late answer to an earlier call
+        if not self.post(request):
+            return None
+        while not self._chain_answers:
+            if self.broken is not None:
+                return None
+            if self._read_one(deadline) is None and time.monotonic() >= deadline:
+                return None
+        return self._chain_answers.pop(0)
+
     # -- reading (engine thread) -----------------------------------------------------------
 
     def wait(self, step_id: int, deadline: float) -> Answer | None:
@@ -255,6 +285,16 @@ class LocalLink:
         with self._lock:
             if step_id in self._unanswered:
                 self._discard.add(step_id)
+
+    @property
+    def chain_transport(self) -> int:
+        """The transport the draft's hello chose for device-chain runs
+        (``TENSOR_TRANSPORT_CUDA_IPC`` or ``_SHM``), 0 when none."""
+        chosen = set(self.hello.tensor_transports) & {
+            draft_pb2.TENSOR_TRANSPORT_CUDA_IPC,
+            draft_pb2.TENSOR_TRANSPORT_SHM,
+        }
+        return chosen.pop() if len(chosen) == 1 else 0
 
     @property
     def backlogged(self) -> bool:
@@ -292,6 +332,9 @@ class LocalLink:
         if response.HasField("kv_usage"):
             self.kv_usage = response.kv_usage
         if response.HasField("hello"):
+            return
+        if response.HasField("chain_ready") or response.HasField("chain_step_done"):
+            self._chain_answers.append(response)
             return
         with self._lock:
             if response.step_id not in self._unanswered:

@@ -113,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
         "last one is read (default: on)",
     )
     p.add_argument(
+        "--device-chain",
+        action=argparse.BooleanOptionalAction,
+        default=env("TANDEM_TARGET_DEVICE_CHAIN", False),
+        help="steady greedy chain speculation with a draft on this GPU, reached through its "
+        "local socket, runs as device-chain steps: both halves queued on the GPU before the "
+        "last step is read, handing off through CUDA IPC buffers (needs CUDA graphs; "
+        "docs/device-cycle.md; default: off)",
+    )
+    p.add_argument(
         "--transposed-weights",
         action=argparse.BooleanOptionalAction,
         default=(  # unset: None, on for CUDA devices
@@ -174,6 +183,7 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
             simulate_accept_length=accept_length,
             spec_policy=a.spec_policy,
             overlap=a.overlap,
+            device_chain=a.device_chain,
             transposed_weights=a.transposed_weights,
         ),
         host=a.host,

@@ -51,8 +51,9 @@ def bench(
         str,
         typer.Option(
             help="Comma-separated: target-only, target-sync (target-only without decoding "
-            "ahead), spec, k0, services, services-grpc (the services with the Speculate stream "
-            "on gRPC, not the draft's local socket), hf."
+            "ahead), spec, spec-chain (spec with device-chain steps), k0, services, "
+            "services-chain (the services with the target's --device-chain), services-grpc "
+            "(the services with the Speculate stream on gRPC, not the draft's local socket), hf."
         ),
     ] = "target-only,spec,services,hf",
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8,32,64",

@@ -17,6 +17,8 @@ MODES = (
     "k0",
     "services",
     "services-control",
+    "services-chain",
+    "services-chain-control",
     "services-grpc",
     "hf-generate",
     "hf-assisted",

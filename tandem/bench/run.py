@@ -34,6 +34,7 @@ ALL_MODES = (
     "spec-chain",
     "k0",
     "services",
+    "services-chain",
     "services-grpc",
     "hf",
 )
@@ -123,11 +124,19 @@ def run_bench(
         rows += _in_process(config, say)
     if "services" in config.modes and speculative:
         rows += _services(config, model_config, say)
+    if "services-chain" in config.modes and speculative:
+        if config.device.startswith("cuda"):
+            rows += _services(config, model_config, say, device_chain=True)
+        else:
+            note = "skipped: device-chain steps need CUDA graphs"
+            rows.append(Row(mode="services-chain", batch_size=0, note=note))
     if "services-grpc" in config.modes and speculative:
         rows += _services(config, model_config, say, local_stream=False)
     if "hf" in config.modes:
         rows += _transformers(config, say)
-    if not speculative and {"spec", "services", "services-grpc"} & set(config.modes):
+    if not speculative and {"spec", "services", "services-chain", "services-grpc"} & set(
+        config.modes
+    ):
         rows.append(Row(mode="spec", batch_size=0, note="skipped: no draft (--draft)"))
     for row in rows:
         if row.batch_size:
@@ -234,15 +243,21 @@ def _services(
     say: Callable[[str], None],
     *,
     local_stream: bool = True,
+    device_chain: bool = False,
 ) -> list[Row]:
     """Rows through a started stack: ``services`` and ``services-control`` with the draft's
-    local stream (``tandem.local_stream``), or ``services-grpc`` (gateway only) without it."""
+    local stream (``tandem.local_stream``), ``services-chain`` and ``services-chain-control``
+    with device-chain steps over it (the target's ``--device-chain``), or ``services-grpc``
+    (gateway only) without it."""
     assert config.draft is not None
     mode = "services" if local_stream else "services-grpc"
+    mode = "services-chain" if device_chain else mode
     with tempfile.TemporaryDirectory() as tmp:
         log_dir = config.log_dir or Path(tmp)
         if not local_stream:
             log_dir = log_dir / "grpc"
+        if device_chain:
+            log_dir = log_dir / "chain"
         say(f"starting draft, target and gateway services, {mode} (logs: {log_dir})")
         probe = None
         if config.profile_idle:  # one directory per batch size and row under log_dir/profiles
@@ -265,6 +280,7 @@ def _services(
             draft_device=config.draft_device,
             probe=probe,
             local_stream=local_stream,
+            device_chain=device_chain,
         )
         rows = []
         try:
@@ -295,6 +311,7 @@ def _services(
                         config.spec_steps,
                         probe,
                         steps_file=log_dir / f"steps-bs{bs}.jsonl",
+                        mode=f"{mode}-control",
                     )
                 )
                 say(_done(rows[-1]))

@@ -62,6 +62,7 @@ def start_stack(
     draft_device: str | None = None,
     probe: IdleProbe | None = None,
     local_stream: bool = True,
+    device_chain: bool = False,
 ) -> Stack:
     stack = build_stack(
         target=target,
@@ -81,6 +82,7 @@ def start_stack(
         extra_target_args=[
             *("--num-pages", str(num_pages), "--max-num-seqs", str(max_batch)),
             *("--spec-policy", spec_policy),
+            *(["--device-chain"] if device_chain else []),
         ],
     )
     for svc in stack.services:
@@ -212,6 +214,7 @@ def through_control(
     probe: IdleProbe | None = None,
     *,
     steps_file: Path | None = None,
+    mode: str = "services-control",
 ) -> Row:
     """The requests admitted on the target's Control stream; per-step StepStats (with
     ``steps_file``, also written there, one JSON object per measured step)."""
@@ -226,14 +229,14 @@ def through_control(
                     yield await outbox.get()
 
             call = stub.Control(requests())
-            row = Row(mode="services-control", batch_size=batch_size)
+            row = Row(mode=mode, batch_size=batch_size)
             log = _ControlLog()
             if w.warmup_tokens:
                 await _control_round(call, outbox, batch_size, vocab, w, 99, None)
             for r in range(w.rounds):
                 await _control_round(call, outbox, batch_size, vocab, w, r, (row, log))
             if probe is not None:
-                out_dir = probe.arm(f"bs{batch_size}-services-control")
+                out_dir = probe.arm(f"bs{batch_size}-{mode}")
                 # An unmeasured round (as the warm-up is) of the probe's length.
                 profiled = replace(w, warmup_tokens=probe.new_tokens)
                 await _control_round(call, outbox, batch_size, vocab, profiled, 98, None)

@@ -43,6 +43,9 @@ class DraftConfig:
     cuda_graphs: bool | None = None
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     cuda_graph_steps: tuple[int, ...] = (3,)  # S captured at load; any other S on first use
+    # Without CUDA graphs (CPU): the graphs' buckets run eagerly on their static buffers, the
+    # stand-in with which the CPU tests run device-chain runs (draft_service/chain.py).
+    static_buckets: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:

@@ -73,6 +73,7 @@ class DraftChain:
         self._outcomes: dict[Bucket, Outcome] = {}  # kept across runs: graphs write them
         self._graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, int]] = {}  # graph, Chains ptr
         self.steps: dict[Bucket, int] = {}  # steps launched per bucket
+        self.failed = ""  # in process a launch does not fail (``RemoteChain``'s can)
 
     def eligible(self, request_id: str, num_tokens: int) -> bool:
         """Whether the drafter holds ``request_id`` in step with ``num_tokens`` committed
@@ -152,15 +153,15 @@ class DraftChain:
             self._pages[i] = grow_tables(tables, i, self.alloc.pages(rid), self._pages[i])
 
     @torch.inference_mode()
-    def launch(self) -> None:
-        """Queues the extend over ``outcome`` and the loop that writes ``chains``."""
+    def launch(self) -> bool:
+        """Queues the extend over ``outcome`` and the loop that writes ``chains`` (True)."""
         assert self.outcome is not None and self.chains is not None
         self._sync_pages()
         bucket = self._bucket
         self.steps[bucket] = self.steps.get(bucket, 0) + 1
         if not self.graphs.use_graphs:
             self._step()
-            return
+            return True
         graph, bound = self._graphs.get(bucket, (None, 0))
         if graph is None or bound != self.chains.tokens.data_ptr():
             # Capture runs the step once first: run twice, a step writes what it wrote.
@@ -168,6 +169,7 @@ class DraftChain:
             graph = capture_graph(self.device, pool, self._step)
             self._graphs[bucket] = (graph, self.chains.tokens.data_ptr())
         graph.replay()
+        return True
 
     def _step(self) -> None:
         """The captured region: extend inputs, extend, loop inputs, loop, the next chains.

@@ -46,11 +46,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from tandem.draft_client import RemoteDrafter
 from tandem.graphs import TargetGraphRunner
 from tandem.kv import KVCache
 from tandem.request import Request
 from tandem.scheduler import Scheduler
 from tandem.spec.chain_draft import DraftChain
+from tandem.spec.chain_remote import RemoteChain
 from tandem.spec.chain_target import TargetChain
 from tandem.spec.drafter import ModelDrafter
 from tandem.spec.simulate import AcceptSimulator
@@ -58,6 +60,7 @@ from tandem.spec.types import SpecConfig
 
 logger = logging.getLogger(__name__)
 
+ChainHalf = DraftChain | RemoteChain
 _STEPS_AHEAD = 3  # steps of room a request needs to start or go on (two unread, one more)
 
 
@@ -78,11 +81,22 @@ def unsupported(drafter: object, spec: SpecConfig | None, target: TargetGraphRun
         return "needs chains (topk 1)"
     if target is None or spec.num_steps + 1 not in target.widths:
         return "needs CUDA graphs (a CUDA device, cuda_graphs on) with a bucket width of S+1"
+    if getattr(drafter, "remote", False):
+        return ""  # a draft service: it says at each run's start whether it can
     if not isinstance(drafter, ModelDrafter) or drafter.graphs is None:
-        return "needs an in-process drafter with draft graphs"
+        return "needs a draft service or an in-process drafter with draft graphs"
     if len(drafter.modules) != 1:
         return "needs a one-module draft (EAGLE-3, EAGLE, a standalone LM)"
     return ""
+
+
+def draft_half(drafter: object, spec: SpecConfig, target: TargetGraphRunner) -> ChainHalf:
+    """The draft's half for ``drafter``: in process, or a draft service's over the local
+    stream (``tandem/spec/chain_remote.py``)."""
+    if isinstance(drafter, ModelDrafter):
+        return DraftChain(drafter, spec.num_steps)
+    assert isinstance(drafter, RemoteDrafter)
+    return RemoteChain(drafter, spec.num_steps, target)
 
 
 class DeviceChain:
@@ -93,7 +107,7 @@ class DeviceChain:
         *,
         target: TargetGraphRunner,
         kv: KVCache,
-        drafter: ModelDrafter,
+        drafter: object,
         spec: SpecConfig,
         simulator: AcceptSimulator | None,
         max_model_len: int,
@@ -106,7 +120,8 @@ class DeviceChain:
         self.width = spec.num_steps + 1
         self.max_model_len = max_model_len
         self.target = TargetChain(target, kv, self.num_steps, simulator)
-        self.draft = DraftChain(drafter, self.num_steps)
+        self.draft = draft_half(drafter, spec, target)
+        self.lost = 0  # runs that ended without the draft's half of their last step
         self.reqs: list[Request] = []  # the run's requests, in row order ([] when idle)
         self.runs = 0  # runs started
         self.launches = 0  # steps launched
@@ -152,6 +167,8 @@ class DeviceChain:
         running = scheduler.running
         if self.active or scheduler.waiting or not running:
             return False
+        if isinstance(self.draft, RemoteChain) and not self.draft.ready():
+            return False
         if self.target_graphs.bucket_for(len(running), self.width) is None:
             return False
         return all(self._eligible(req) for req in running)
@@ -179,29 +196,43 @@ class DeviceChain:
             self.reqs = []
             return False
         self.target.chains = self.draft.chains = self.target.begin(reqs, bucket)
-        self.target.outcome = self.draft.outcome = self.draft.begin(self.draft.request_ids, bucket)
+        outcome = self.draft.begin(self.draft.request_ids, bucket)
+        if outcome is None:  # a draft service refused: the ordinary cycle goes on
+            for req in reqs:
+                self.target.alloc.truncate(req.request_id, req.num_computed)
+            self.target.end()
+            self.draft.chains = None
+            self.reqs = []
+            return False
+        self.target.outcome = self.draft.outcome = outcome
         self.runs += 1
         self._run_launches = self.launches
         logger.debug("device chain: run %d of %d requests starts", self.runs, len(reqs))
         self._launch()
         return True
 
-    def launch(self) -> bool:
-        """Launches the next step; False (nothing launched) when a pool is full."""
+    def launch(self) -> str:
+        """Launches the next step; why the run must end ('' when it may go on): a pool is
+        full (nothing launched), or the draft did not queue its half of this step or of the
+        last one (whose chains the next verify would read: nothing is launched then)."""
+        if self.draft.failed:
+            return f"the draft: {self.draft.failed}"
         if not self._reserve():
-            return False
-        self._launch()
-        return True
+            return "a KV pool is full"
+        return self._launch()
 
     def _reserve(self) -> bool:
         unread = self.unread
         lengths = [r.num_tokens for r in self.reqs]
         return self.target.reserve(self.reqs, unread) and self.draft.reserve(lengths, unread)
 
-    def _launch(self) -> None:
+    def _launch(self) -> str:
         self.target.launch()
-        self.draft.launch()
         self.launches += 1
+        if self.draft.launch():
+            return ""
+        self.lost += 1
+        return f"the draft: {self.draft.failed}"
 
     def read(self) -> list[ChainRead]:
         """Waits for the oldest unread step's verdict and commits its KV progress here and
@@ -226,12 +257,18 @@ class DeviceChain:
             self.launches - self._run_launches,
             reason,
         )
+        lost = bool(self.draft.failed)
         trees = self.target.next_trees(len(self.reqs))
         finished = [req.finished for req in self.reqs]
         self.draft.end(finished)  # an aborted request may be released twice: that is a no-op
         for req, tree, done in zip(self.reqs, trees, finished, strict=True):
             if done:
                 req.in_draft = False
+                continue
+            if lost:  # the draft released it: it decodes without speculation from here
+                self.target.alloc.truncate(req.request_id, req.num_computed)
+                req.in_draft = req.speculate = False
+                req.tree = None
                 continue
             self.target.alloc.truncate(req.request_id, req.num_computed)
             assert tree.tokens[0] == req.tokens[-1], "chain out of step"

@@ -34,7 +34,7 @@ class SpeculateHello(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., tensor_transports: _Optional[_Iterable[_Union[TensorTransport, str]]] = ..., max_message_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
-    __slots__ = ("hello", "step_id", "lane_id", "speculation", "deadline_ns", "outcomes", "new_requests", "prompt_frames", "released_request_ids")
+    __slots__ = ("hello", "step_id", "lane_id", "speculation", "deadline_ns", "outcomes", "new_requests", "prompt_frames", "released_request_ids", "chain_begin", "chain_step", "chain_end")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     LANE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,9 @@ class SpeculateRequest(_message.Message):
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FRAMES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_END_FIELD_NUMBER: _ClassVar[int]
     hello: SpeculateHello
     step_id: int
     lane_id: int
@@ -53,7 +56,58 @@ class SpeculateRequest(_message.Message):
     new_requests: _containers.RepeatedCompositeFieldContainer[DraftAdmit]
     prompt_frames: _containers.RepeatedCompositeFieldContainer[PromptFrames]
     released_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hello: _Optional[_Union[SpeculateHello, _Mapping]] = ..., step_id: _Optional[int] = ..., lane_id: _Optional[int] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., deadline_ns: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[VerifyOutcome, _Mapping]]] = ..., new_requests: _Optional[_Iterable[_Union[DraftAdmit, _Mapping]]] = ..., prompt_frames: _Optional[_Iterable[_Union[PromptFrames, _Mapping]]] = ..., released_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    chain_begin: ChainBegin
+    chain_step: ChainStep
+    chain_end: ChainEnd
+    def __init__(self, hello: _Optional[_Union[SpeculateHello, _Mapping]] = ..., step_id: _Optional[int] = ..., lane_id: _Optional[int] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., deadline_ns: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[VerifyOutcome, _Mapping]]] = ..., new_requests: _Optional[_Iterable[_Union[DraftAdmit, _Mapping]]] = ..., prompt_frames: _Optional[_Iterable[_Union[PromptFrames, _Mapping]]] = ..., released_request_ids: _Optional[_Iterable[str]] = ..., chain_begin: _Optional[_Union[ChainBegin, _Mapping]] = ..., chain_step: _Optional[_Union[ChainStep, _Mapping]] = ..., chain_end: _Optional[_Union[ChainEnd, _Mapping]] = ...) -> None: ...
+
+class ChainBegin(_message.Message):
+    __slots__ = ("run_id", "batch_size", "num_steps", "request_ids", "committed_lens", "chains", "event")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENS_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    run_id: int
+    batch_size: int
+    num_steps: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    committed_lens: _containers.RepeatedScalarFieldContainer[int]
+    chains: _containers.RepeatedScalarFieldContainer[bytes]
+    event: bytes
+    def __init__(self, run_id: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_steps: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., committed_lens: _Optional[_Iterable[int]] = ..., chains: _Optional[_Iterable[bytes]] = ..., event: _Optional[bytes] = ...) -> None: ...
+
+class ChainStep(_message.Message):
+    __slots__ = ("run_id", "step", "committed_lens", "unread")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENS_FIELD_NUMBER: _ClassVar[int]
+    UNREAD_FIELD_NUMBER: _ClassVar[int]
+    run_id: int
+    step: int
+    committed_lens: _containers.RepeatedScalarFieldContainer[int]
+    unread: int
+    def __init__(self, run_id: _Optional[int] = ..., step: _Optional[int] = ..., committed_lens: _Optional[_Iterable[int]] = ..., unread: _Optional[int] = ...) -> None: ...
+
+class ChainEnd(_message.Message):
+    __slots__ = ("run_id", "rows", "abandoned")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
+    run_id: int
+    rows: _containers.RepeatedCompositeFieldContainer[ChainRow]
+    abandoned: bool
+    def __init__(self, run_id: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[ChainRow, _Mapping]]] = ..., abandoned: _Optional[bool] = ...) -> None: ...
+
+class ChainRow(_message.Message):
+    __slots__ = ("token_ids", "finished")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class VerifyOutcome(_message.Message):
     __slots__ = ("request_id", "accepted_token_ids", "bonus_token_id", "committed_len", "accepted_node_indices", "hidden_states")
@@ -98,7 +152,7 @@ class PromptFrames(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[_common_pb2.TensorFrame, _Mapping]]] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
-    __slots__ = ("hello", "step_id", "lane_id", "trees", "dropped_request_ids", "kv_usage", "extend_ns", "draft_ns", "total_ns", "model_ns")
+    __slots__ = ("hello", "step_id", "lane_id", "trees", "dropped_request_ids", "kv_usage", "extend_ns", "draft_ns", "total_ns", "model_ns", "chain_ready", "chain_step_done")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     LANE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +163,8 @@ class SpeculateResponse(_message.Message):
     DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NS_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_READY_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_STEP_DONE_FIELD_NUMBER: _ClassVar[int]
     hello: SpeculateHello
     step_id: int
     lane_id: int
@@ -119,7 +175,31 @@ class SpeculateResponse(_message.Message):
     draft_ns: int
     total_ns: int
     model_ns: int
-    def __init__(self, hello: _Optional[_Union[SpeculateHello, _Mapping]] = ..., step_id: _Optional[int] = ..., lane_id: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., extend_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., model_ns: _Optional[int] = ...) -> None: ...
+    chain_ready: ChainReady
+    chain_step_done: ChainStepDone
+    def __init__(self, hello: _Optional[_Union[SpeculateHello, _Mapping]] = ..., step_id: _Optional[int] = ..., lane_id: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., extend_ns: _Optional[int] = ..., draft_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., model_ns: _Optional[int] = ..., chain_ready: _Optional[_Union[ChainReady, _Mapping]] = ..., chain_step_done: _Optional[_Union[ChainStepDone, _Mapping]] = ...) -> None: ...
+
+class ChainReady(_message.Message):
+    __slots__ = ("run_id", "refused", "outcome", "event")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    run_id: int
+    refused: str
+    outcome: _containers.RepeatedScalarFieldContainer[bytes]
+    event: bytes
+    def __init__(self, run_id: _Optional[int] = ..., refused: _Optional[str] = ..., outcome: _Optional[_Iterable[bytes]] = ..., event: _Optional[bytes] = ...) -> None: ...
+
+class ChainStepDone(_message.Message):
+    __slots__ = ("run_id", "step", "failed")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    run_id: int
+    step: int
+    failed: str
+    def __init__(self, run_id: _Optional[int] = ..., step: _Optional[int] = ..., failed: _Optional[str] = ...) -> None: ...
 
 class Tree(_message.Message):
     __slots__ = ("request_id", "token_ids", "parent_indices", "draft_logprobs")

@@ -1,0 +1,193 @@
+"""Device-chain runs through a draft service (``tandem/spec/chain_remote.py`` at the target,
+``draft_service/chain.py`` at the draft): a real draft server on its own event loop and
+worker thread, its local socket, the messages of docs/device-cycle.md, and the ``Outcome`` and
+``Chains`` buffers in shared memory (the CPU stand-in for CUDA IPC; buckets run eagerly on
+their static buffers, Triton interpreted).
+
+Greedy output must equal target-only output while runs start and end with arrivals; a draft
+that stops answering mid-run costs its requests their speculation, never a token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: import first
+
+# isort: split
+from draft_service.config import DraftServiceConfig
+from kernels.attention import _tree_attention_kernel
+from tandem.config import EngineConfig
+from tandem.draft_client import RemoteDrafter
+from tandem.engine import Engine
+from tandem.graphs import graph_widths
+from tandem.sampling import SamplingParams
+from tandem.spec.build import DraftConfig
+from tandem.spec.chain_remote import RemoteChain
+from tandem.spec.types import SpecConfig
+from tandem.v1 import draft_pb2
+from tests.driving import drive
+from tests.service.test_draft_service import ServerThread
+from tests.spec.conftest import LAYERS, Checkpoints
+from tests.spec.test_device_chain import BATCH_SIZES, PLAN, reference, reference_tokens  # noqa: F401 (a fixture)
+
+check_mode(_tree_attention_kernel)
+
+NUM_STEPS = 3
+
+
+@pytest.fixture
+def draft(ckpts: Checkpoints, tmp_path: Path) -> Iterator[ServerThread]:
+    config = DraftConfig(
+        kind="eagle3",
+        path=ckpts.drafts["eagle3"],
+        target=ckpts.target,
+        device=str(DEVICE),
+        page_size=4,
+        num_pages=512,
+        static_buckets=True,
+        cuda_graph_batch_sizes=BATCH_SIZES,
+        cuda_graph_steps=(NUM_STEPS,),
+    )
+    server = ServerThread(DraftServiceConfig(draft=config, local_socket=str(tmp_path / "d.sock")))
+    yield server
+    server.stop()
+
+
+def remote_chain_engine(ckpts: Checkpoints, address: str, deadline_s: float = 120.0) -> Engine:
+    """The target's engine with a ``RemoteDrafter`` on the draft's local stream and its
+    buckets run eagerly (as ``tests/spec/test_device_chain.chain_engine``)."""
+    drafter = RemoteDrafter(address, num_target_layers=LAYERS, deadline_s=deadline_s)
+    assert drafter.wait_ready(60)
+    config = EngineConfig(
+        model=ckpts.target,
+        device=str(DEVICE),
+        page_size=4,
+        num_pages=1024,
+        max_num_seqs=max(BATCH_SIZES),
+        max_model_len=128,
+        cuda_graphs=False,
+    )
+    engine = Engine(config, drafter=drafter, spec=SpecConfig(num_steps=NUM_STEPS, topk=1))
+    engine.runner.enable_graphs(
+        batch_sizes=BATCH_SIZES,
+        widths=graph_widths(NUM_STEPS + 1),
+        max_model_len=engine.max_model_len,
+        capture_layers=drafter.target_layer_ids,
+        capture=False,
+    )
+    engine.enable_device_chain()
+    return engine
+
+
+def _remote(engine: Engine) -> RemoteChain:
+    chain = engine.chain
+    assert chain is not None and isinstance(chain.draft, RemoteChain)
+    return chain.draft
+
+
+def _close(engine: Engine) -> None:
+    drafter = engine.drafter
+    assert isinstance(drafter, RemoteDrafter)
+    drafter.close()
+
+
+def test_the_hellos_choose_shared_memory(ckpts: Checkpoints, draft: ServerThread) -> None:
+    engine = remote_chain_engine(ckpts, draft.address)
+    try:
+        link = _remote(engine).link()
+        assert link is not None and link.chain_transport == draft_pb2.TENSOR_TRANSPORT_SHM
+    finally:
+        _close(engine)
+
+
+def test_output_through_the_service_equals_target_only(
+    ckpts: Checkpoints,
+    draft: ServerThread,
+    reference: list[list[int]],  # noqa: F811
+) -> None:
+    engine = remote_chain_engine(ckpts, draft.address)
+    try:
+        outputs, _ = drive(engine, PLAN)
+        assert outputs == reference
+        chain = engine.chain
+        assert chain is not None and not chain.active
+        remote = _remote(engine)
+        assert chain.runs >= 2 and chain.launches >= 12, (chain.runs, chain.launches)
+        assert sum(remote.steps.values()) == chain.launches
+        assert chain.lost == 0
+        engine.flush_draft()
+        _wait(lambda: draft.num_tracked() == 0)
+    finally:
+        _close(engine)
+
+
+def test_a_draft_that_stops_answering_costs_speculation_not_tokens(
+    ckpts: Checkpoints, draft: ServerThread
+) -> None:
+    """The draft service goes away mid-run: the target's step waits no longer than its
+    deadline, the run ends with its verdicts read, and the request finishes with target-only's
+    tokens, decoding without speculation."""
+    engine = remote_chain_engine(ckpts, draft.address, deadline_s=5.0)
+    prompt = [5, 9, 17, 4, 250, 31]
+    try:
+        chain = engine.chain
+        assert chain is not None
+        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=48, ignore_eos=True))
+        while not chain.active:
+            engine.step()
+        engine.step()
+        assert chain.active
+        draft.stop()
+        draft.stop = lambda: None  # type: ignore[method-assign]
+        started = time.monotonic()
+        engine.step()  # its draft half gets no answer: the run ends
+        assert time.monotonic() - started < 30
+        assert not chain.active and chain.lost == 1
+        req = engine._requests[rid]
+        assert not req.speculate and not req.in_draft
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, prompt, 48)
+        assert engine.kv.allocator.num_free_pages == engine.kv.allocator.num_pages
+    finally:
+        _close(engine)
+
+
+def test_a_step_the_draft_refuses_ends_the_run(ckpts: Checkpoints, draft: ServerThread) -> None:
+    """Another stream steps the draft during a run (its hello is a step): the draft refuses
+    the run's next step, the target reads what it launched, launches nothing more, and the
+    request finishes with target-only's tokens; the draft releases it."""
+    engine = remote_chain_engine(ckpts, draft.address)
+    prompt = [8, 8, 40, 3, 77]
+    other = None
+    try:
+        chain = engine.chain
+        assert chain is not None
+        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        while not chain.active:
+            engine.step()
+        other = RemoteDrafter(draft.address, num_target_layers=LAYERS)
+        assert other.wait_ready(60)
+        engine.step()
+        assert not chain.active and chain.lost == 1
+        assert "stepped the draft" in _remote(engine).failed
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, prompt, 40)
+        _wait(lambda: draft.num_tracked() == 0)
+    finally:
+        if other is not None:
+            other.close()
+        _close(engine)
+
+
+def _wait(condition: object, timeout_s: float = 20.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
