@@ -18,6 +18,8 @@ Every flag defaults to an environment variable (flags win):
 | ``--host`` / ``--port`` | ``TANDEM_DRAFT_HOST`` / ``_PORT`` | 127.0.0.1 / 0 (any) |
 | ``--max-message-bytes`` | ``TANDEM_DRAFT_MAX_MESSAGE_BYTES`` | 64 MiB |
 | ``--reflection`` | ``TANDEM_DRAFT_REFLECTION`` | off |
+| ``--local-socket`` | ``TANDEM_DRAFT_LOCAL_SOCKET`` | none (gRPC only) |
+| ``--prompt-buffer-mb`` | ``TANDEM_DRAFT_PROMPT_BUFFER_MB`` | 256 (0: prompts inline) |
 | ``--grace`` | ``TANDEM_DRAFT_GRACE_S`` | 10 |
 | ``--log-level`` | ``TANDEM_DRAFT_LOG_LEVEL`` | INFO |
 | ``--metrics-port`` | ``TANDEM_DRAFT_METRICS_PORT`` | none (no /metrics) |
@@ -96,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also serve Speculate streams on this Unix socket (mode 0600), which a target on "
         "this host uses instead of gRPC when it can open it (default: none)",
     )
+    p.add_argument(
+        "--prompt-buffer-mb",
+        type=int,
+        default=env_default("TANDEM_DRAFT_PROMPT_BUFFER_MB", 256),
+        help="on a local stream that shares this device with its target (CUDA IPC, or shared "
+        "memory on CPU), a buffer of this size into which the target writes prompt features "
+        "instead of sending them inline (default: 256; 0: inline)",
+    )
     p.add_argument("--grace", type=float, default=env_default("TANDEM_DRAFT_GRACE_S", 10.0))
     p.add_argument("--log-level", default=env_default("TANDEM_DRAFT_LOG_LEVEL", "INFO"))
     telemetry.add_metrics_argument(p, env_default("TANDEM_DRAFT_METRICS_PORT", None))
@@ -130,6 +140,7 @@ def parse_config(argv: Sequence[str] | None = None) -> DraftServiceConfig:
             tls=security.server_tls_from_args(args),
             metrics_port=args.metrics_port,
             local_socket=args.local_socket,
+            prompt_buffer_mb=args.prompt_buffer_mb,
         )
     except ValueError as exc:
         parser.error(str(exc))

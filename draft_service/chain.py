@@ -3,8 +3,11 @@
 engine's worker thread.
 
 A stream gets a :class:`ChainPeer` when the target's hello offered a transport this draft's
-device can share (``TENSOR_TRANSPORT_CUDA_IPC`` on CUDA, ``_SHM`` on CPU) and the drafter can
-run chains (one module with draft graphs: ``DraftChain``); the draft's hello then names it.
+device can share (``TENSOR_TRANSPORT_CUDA_IPC`` on CUDA, ``_SHM`` on CPU); the draft's hello
+then names it, with the description of the peer's prompt buffer (``--prompt-buffer-mb``), into
+which the target writes prompt features instead of sending them inline
+(``TensorFrame.shared_offset``). Runs need a drafter that can run chains (one module with
+draft graphs: ``DraftChain``); another refuses every ``ChainBegin``.
 
 - ``ChainBegin``: every row must be this stream's, tracked at the committed length the target
   gives and a chain of the run's S, the bucket one of the draft's, no other run active and no
@@ -30,8 +33,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem import ipc
+from tandem.errors import InvalidRequest
 from tandem.graph_buffers import Bucket
-from tandem.spec.chain_draft import Chains, DraftChain
+from tandem.local_stream import SHARING
+from tandem.spec.chain_draft import Chains, DraftChain, share_on_cpu
 from tandem.spec.drafter import ModelDrafter
 from tandem.v1 import draft_pb2
 
@@ -43,19 +48,19 @@ logger = logging.getLogger(__name__)
 
 
 def transport_for(engine: DraftEngine, offered: list[int]) -> int:
-    """The transport a stream's device-chain runs use (0: none): the one this draft's device
-    shares, when the target offered it and the drafter can run chains."""
-    drafter = engine.drafter
-    if not isinstance(drafter, ModelDrafter) or drafter.graphs is None:
-        return 0
-    if len(drafter.modules) != 1:
-        return 0
-    kind = drafter.graphs.device.type
-    wanted = {
-        "cuda": draft_pb2.TENSOR_TRANSPORT_CUDA_IPC,
-        "cpu": draft_pb2.TENSOR_TRANSPORT_SHM,
-    }.get(kind, 0)
+    """The transport a local stream shares this draft's device by (0: none): the one its
+    device type has, when the target offered it."""
+    wanted = SHARING.get(torch.device(engine.config.device).type, 0)
     return wanted if wanted in offered else 0
+
+
+def cannot_chain(drafter: object) -> str:
+    """Why ``drafter`` cannot run device-chain runs ('' when it can)."""
+    if not isinstance(drafter, ModelDrafter) or drafter.graphs is None:
+        return "this draft has no draft graphs (or static buckets)"
+    if len(drafter.modules) != 1:
+        return "this draft has several modules"
+    return ""
 
 
 @dataclass
@@ -74,11 +79,20 @@ class ChainRun:
 class ChainPeer:
     """One stream's device-chain runs (module docstring); worker thread only."""
 
-    def __init__(self, engine: DraftEngine, steps: StreamSteps, transport: int) -> None:
+    def __init__(
+        self, engine: DraftEngine, steps: StreamSteps, transport: int, prompt_bytes: int
+    ) -> None:
         self.engine = engine
         self.steps = steps
         self.stream = steps.stream_id
         self.on_cuda = transport == draft_pb2.TENSOR_TRANSPORT_CUDA_IPC
+        # The buffer the target writes prompt features into (None: they come inline).
+        self.prompts: torch.Tensor | None = None
+        if prompt_bytes:
+            device = torch.device(engine.config.device)
+            self.prompts = torch.zeros(prompt_bytes, dtype=torch.uint8, device=device)
+            share_on_cpu(self.prompts)
+            steps.session.shared = self.read_prompt
         self.run: ChainRun | None = None
         self._last_run = 0
         self._halves: dict[int, DraftChain] = {}  # per S
@@ -86,6 +100,23 @@ class ChainPeer:
         self._described: set[tuple[int, Bucket]] = set()  # Outcome descriptions sent
         self._mine: torch.cuda.Event | None = None
         self._theirs: torch.cuda.Event | None = None
+
+    def describe(self, hello: draft_pb2.SpeculateHello) -> None:
+        """The stream's hello names the transport's prompt buffer."""
+        if self.prompts is not None:
+            hello.prompt_buffer = ipc.describe(self.prompts)
+            hello.prompt_buffer_bytes = self.prompts.numel()
+
+    def read_prompt(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A copy of prompt features the target wrote at ``offset`` (done before the step's
+        answer leaves: the target reuses the region then)."""
+        assert self.prompts is not None
+        if offset + nbytes > self.prompts.numel():
+            raise InvalidRequest("prompt_frames.frames.shared_offset", "outside the buffer")
+        out = self.prompts[offset : offset + nbytes].clone()
+        if out.device.type == "cuda":
+            torch.cuda.current_stream(out.device).synchronize()
+        return out
 
     def _prefixed(self, request_id: str) -> str:
         return f"{self.stream}/{request_id}"
@@ -100,6 +131,9 @@ class ChainPeer:
 
     def _begin(self, msg: draft_pb2.ChainBegin) -> draft_pb2.ChainReady:
         drafter = self.engine.drafter
+        problem = cannot_chain(drafter)
+        if problem:
+            raise ValueError(problem)
         assert isinstance(drafter, ModelDrafter) and drafter.graphs is not None
         if self.run is not None or self.engine.chain_run is not None:
             raise ValueError("a run is active")

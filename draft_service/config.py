@@ -39,6 +39,9 @@ class DraftServiceConfig:
     # Also serve Speculate streams on this Unix socket (tandem.local_stream), for a target on
     # this host; None = gRPC only.
     local_socket: str | None = None
+    # On a local stream that shares the device with its target (draft_service/chain.py), a
+    # buffer of this many MiB for the target's prompt features (0: they travel inline).
+    prompt_buffer_mb: int = 256
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
@@ -52,6 +55,8 @@ class DraftServiceConfig:
             raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")
         if self.local_socket is not None:
             check_path(self.local_socket)
+        if self.prompt_buffer_mb < 0:
+            raise ValueError(f"prompt_buffer_mb: must be >= 0, got {self.prompt_buffer_mb}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ValueError(f"log_level: {self.log_level!r} is not a logging level")
 

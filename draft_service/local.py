@@ -144,7 +144,9 @@ class _Connection:
             transport = transport_for(servicer.engine, list(request.hello.tensor_transports))
             if transport:
                 response.hello.tensor_transports.append(transport)  # type: ignore[arg-type]
-                self.chain = ChainPeer(servicer.engine, self.steps, transport)
+                prompt_bytes = servicer.config.prompt_buffer_mb << 20
+                self.chain = ChainPeer(servicer.engine, self.steps, transport, prompt_bytes)
+                self.chain.describe(response.hello)
         self.sock.sendall(encode(response))
 
     def _chain_message(self, request: draft_pb2.SpeculateRequest) -> bool:

@@ -70,6 +70,9 @@ class _Session:
         self.max_spec = max_spec
         self.pending: dict[str, _Pending] = {}
         self.lengths: dict[str, int] = {}  # complete requests -> committed tokens
+        # A local stream's shared prompt buffer (draft_service/chain.py): (offset, bytes) ->
+        # a copy of them. None: prompt frames must carry their bytes.
+        self.shared: Callable[[int, int], torch.Tensor] | None = None
 
     def apply(self, request: draft_pb2.SpeculateRequest) -> _Work:
         work = _Work()
@@ -132,7 +135,9 @@ class _Session:
         assembler = None
         if self.info.target_layer_ids:
             cap = len(msg.prompt_token_ids) * self.info.feature_size * _MAX_ITEMSIZE
-            assembler = wire.FrameAssembler(max_bytes=cap, path=f"prompt_frames[{msg.request_id}]")
+            assembler = wire.FrameAssembler(
+                max_bytes=cap, path=f"prompt_frames[{msg.request_id}]", shared=self.shared
+            )
         self.pending[msg.request_id] = _Pending(
             msg=msg,
             admit=admit,

@@ -109,6 +109,7 @@ class RemoteDrafter(DraftStreams, Drafter):
         backoff_max_s: float = 2.0,
         max_backlog: int = 8,
         local_stream: bool = True,
+        device: str | None = None,
     ) -> None:
         super().__init__(
             address,
@@ -122,6 +123,7 @@ class RemoteDrafter(DraftStreams, Drafter):
             backoff_max_s=backoff_max_s,
             max_backlog=max_backlog,
             local_stream=local_stream,
+            device=device,
         )
         self.fallback_steps = 0  # collects that returned no trees: late, backlogged or down
         self._lanes: dict[int, _Submission | None] = {}  # engine thread: lane -> uncollected
@@ -235,7 +237,10 @@ class RemoteDrafter(DraftStreams, Drafter):
             self._report_dropped([a.request_id for a in admits])
             return _Submission(0, deadline, None)
         link.drain()  # a late answer that has come in no longer holds this step back
-        admits, outcomes, copied = self._features_to_host(admits, outcomes, link.stream)
+        if link.ring is not None:  # prompts go through the draft's buffer, from the device
+            _, outcomes, copied = self._features_to_host([], outcomes, link.stream)
+        else:
+            admits, outcomes, copied = self._features_to_host(admits, outcomes, link.stream)
         self._deferred = [f for f in self._deferred if not f.done()]
         prompts = bool(admits) or bool(link.stream.outbox)
         if not prompts and not self._deferred and (copied is None or _done_soon(copied)):
@@ -245,7 +250,7 @@ class RemoteDrafter(DraftStreams, Drafter):
                 self._local_lost(link)
             return _Submission(step_id, deadline, None, link=link, wanted=wanted)
         sending = self._submit(
-            self._send_local(link, lane, admits, outcomes, list(released), copied)
+            self._send_local(link, lane, list(admits), outcomes, list(released), copied)
         )
         self._deferred.append(sending)
         return _Submission(0, deadline, None, sending, link=link)
@@ -348,6 +353,11 @@ class RemoteDrafter(DraftStreams, Drafter):
         """One lane-0 submission and its answer: a synchronous step."""
         self.submit(0, admits, outcomes, released)
         return self.collect(0)
+
+    @property
+    def shares_prompts(self) -> bool:  # type: ignore[override]
+        link = self._local
+        return link is not None and link.ring is not None
 
     def chain_link(self) -> LocalLink | None:
         """The local link, when its draft agreed to device-chain runs

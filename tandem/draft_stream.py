@@ -12,6 +12,7 @@ Features travel in the dtype the draft asked for. A new stream starts with a new
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -27,6 +28,9 @@ class StreamState:
         self.frame_bytes = frame_bytes  # bytes one tensor frame may take
         self.hidden_dtype = hidden_dtype
         self.tracked: dict[str, int] = {}  # request id -> committed tokens (draft's count)
+        # A local stream with the draft's prompt buffer (``tandem.local_stream.PromptRing``):
+        # (step id, features) -> their frame once written there, None when it has no room.
+        self.stage: Callable[[int, torch.Tensor], wire.EncodedFrame | None] | None = None
         # Prompts not fully sent, in admission order: an admit not sent yet, or the frames
         # still to send of one that was.
         self.outbox: dict[str, DraftAdmit | deque[wire.EncodedFrame]] = {}
@@ -85,12 +89,7 @@ class StreamState:
             must = False  # a just-admitted request's first frame goes with it
             if isinstance(entry, DraftAdmit):
                 msg, _ = wire.admit_to_proto(replace(entry, features=None))
-                features = self._cast(entry.features)
-                frames = deque(
-                    []
-                    if features is None
-                    else wire.encode_frames(wire.HIDDEN_STATES, features, self.frame_bytes)
-                )
+                frames = deque(self._frames(request.step_id, self._cast(entry.features)))
                 first = frames[0].size + 16 if frames else 0
                 if not empty and size + msg.ByteSize() + first + 16 > self.budget:
                     return  # (encoded again next time: once per message at most)
@@ -106,6 +105,17 @@ class StreamState:
             if entry:
                 return  # the rest follows in the next message
             del self.outbox[request_id]
+
+    def _frames(self, step_id: int, features: torch.Tensor | None) -> list[wire.EncodedFrame]:
+        """A prompt's frames: one naming where it lies in the draft's prompt buffer, or its
+        bytes inline (from the host)."""
+        if features is None:
+            return []
+        if self.stage is not None:
+            shared = self.stage(step_id, features)
+            if shared is not None:
+                return [shared]
+        return wire.encode_frames(wire.HIDDEN_STATES, features.cpu(), self.frame_bytes)
 
     def _cast(self, features: torch.Tensor | None) -> torch.Tensor | None:
         """Features in the dtype the draft asked for (bf16 halves the bytes on the wire)."""

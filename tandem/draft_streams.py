@@ -25,7 +25,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 
 from tandem import wire
 from tandem.draft_stream import Outgoing, StreamState
-from tandem.local_stream import Answer, LocalLink, parse_trees
+from tandem.local_stream import SHARING, Answer, LocalLink, parse_trees
 from tandem.security import ClientTLS, open_channel
 from tandem.serving import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from tandem.spec.types import DraftAdmit, VerifyOutcome
@@ -68,6 +68,7 @@ class DraftStreams:
         backoff_max_s: float,
         max_backlog: int,
         local_stream: bool,
+        device: str | None = None,
     ) -> None:
         if deadline_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("deadline_s/connect_timeout_s: must be > 0")
@@ -82,6 +83,9 @@ class DraftStreams:
         # Use the draft's local socket when it reports one this host can open (never with TLS:
         # the socket has file permissions, not certificates).
         self.local_stream = local_stream and tls is None
+        # The target's device: on a local stream whose draft shares a prompt buffer this
+        # device can use, prompt features go through it (``LocalLink.share_prompts``).
+        self.device = None if device is None else torch.device(device)
         self.target_layer_ids: tuple[int, ...] = ()
         self._backoff = wait_exponential_jitter(
             multiplier=backoff_initial_s, max=backoff_max_s, jitter=backoff_initial_s
@@ -277,6 +281,8 @@ class DraftStreams:
             if link is not None:
                 await channel.close()
                 link.stream = self._stream_state(info, layer_ids, link.hello.max_message_bytes)
+                if self.device is not None and link.share_prompts(self.device):
+                    logger.info("prompt features go through the draft's shared buffer")
                 self._local = link  # before HEALTHY: a ready client sends on it
                 self.local_connects += 1
                 self._up(info, layer_ids)
@@ -328,11 +334,12 @@ class DraftStreams:
         if not (self.local_stream and path and info.instance_id and os.path.exists(path)):
             return None
         hello = self._hello()
-        # Device-chain runs (tandem/spec/chain_remote.py) on this link only: the draft picks
-        # the one its device can share, or none.
-        hello.tensor_transports.extend(
-            [draft_pb2.TENSOR_TRANSPORT_CUDA_IPC, draft_pb2.TENSOR_TRANSPORT_SHM]
-        )
+        # On this link only, with the target's device known: the transport that shares it
+        # (device-chain runs, the prompt buffer); the draft takes it if its device is the same
+        # type.
+        sharing = None if self.device is None else SHARING.get(self.device.type)
+        if sharing is not None:
+            hello.tensor_transports.append(sharing)
         connect = functools.partial(
             LocalLink.connect,
             path,

@@ -33,13 +33,14 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from google.protobuf.message import DecodeError, Message
 
-from tandem import wire
+from tandem import ipc, wire
 from tandem.draft_stream import Outgoing, StreamState
 from tandem.errors import InvalidRequest
 from tandem.spec.types import DraftAdmit, Tree, VerifyOutcome
@@ -48,6 +49,9 @@ from tandem.v1 import common_pb2, draft_pb2
 logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<Q")
+# How a local stream shares memory of each device type (both services on it): chosen in the
+# hellos, for device-chain runs (tandem/spec/chain_remote.py) and shared prompt buffers.
+SHARING = {"cuda": draft_pb2.TENSOR_TRANSPORT_CUDA_IPC, "cpu": draft_pb2.TENSOR_TRANSPORT_SHM}
 MAX_PATH_BYTES = 107  # sun_path holds 108 bytes with the terminating NUL
 _RECV_BYTES = 1 << 20
 _SOCKET_BUFFER_BYTES = 4 << 20  # asked for; the kernel may cap it (net.core.wmem_max)
@@ -92,6 +96,55 @@ class FrameBuffer:
         payload = bytes(self._buf[HEADER.size : end])
         del self._buf[:end]
         return payload
+
+
+class PromptRing:
+    """The draft's prompt buffer (``SpeculateHello.prompt_buffer``) mapped at the target:
+    prompt features are written there and their frames name the offset
+    (``TensorFrame.shared_offset``) instead of carrying the bytes. Regions are handed out in
+    step order and reused once their step is answered (answers come in step order), so a
+    region is never rewritten before the draft copied it out. ``stage`` waits for its copy
+    before returning: the message that names it may leave at once."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer  # uint8 [bytes]
+        self._live: deque[tuple[int, int, int]] = deque()  # (step id, start, end), in order
+        self._lock = threading.Lock()
+        self.staged_bytes = 0
+
+    def stage(self, step_id: int, tensor: torch.Tensor) -> wire.EncodedFrame | None:
+        """``tensor`` written into the buffer for ``step_id``'s message: its frame, or None
+        when the buffer has no room now (it goes inline)."""
+        raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        with self._lock:
+            start = self._place(raw.numel())
+            if start is None:
+                return None
+            self._live.append((step_id, start, start + raw.numel()))
+        self.buffer[start : start + raw.numel()].copy_(raw)
+        if self.buffer.device.type == "cuda":
+            torch.cuda.current_stream(self.buffer.device).synchronize()
+        self.staged_bytes += raw.numel()
+        return wire.shared_frame(wire.HIDDEN_STATES, tensor, start)
+
+    def _place(self, n: int) -> int | None:
+        size = self.buffer.numel()
+        if n == 0 or n > size:
+            return None
+        if not self._live:
+            return 0
+        oldest, newest = self._live[0][1], self._live[-1][2]
+        if self._live[-1][1] >= oldest:  # [oldest, newest) in one piece
+            if newest + n <= size:
+                return newest
+            return 0 if n <= oldest else None
+        return newest if newest + n <= oldest else None  # wrapped: the gap before the oldest
+
+    def release(self, step_id: int) -> None:
+        """``step_id`` is answered: its regions, and any older ones, are free."""
+        with self._lock:
+            while self._live and self._live[0][0] <= step_id:
+                self._live.popleft()
 
 
 @dataclass(frozen=True)
@@ -148,6 +201,7 @@ class LocalLink:
         self.late_responses = 0
         self.broken: str | None = None
         self._chain_answers: list[draft_pb2.SpeculateResponse] = []  # ChainReady/StepDone
+        self.ring: PromptRing | None = None  # the draft's prompt buffer (``share_prompts``)
 
     @classmethod
     def connect(
@@ -286,6 +340,22 @@ class LocalLink:
             if step_id in self._unanswered:
                 self._discard.add(step_id)
 
+    def share_prompts(self, device: torch.device) -> bool:
+        """Maps the draft's prompt buffer when its hello shared one that ``device`` can use
+        (its transport is this device's): prompt features then travel through it. False
+        (inline frames) otherwise."""
+        size = self.hello.prompt_buffer_bytes
+        if not self.hello.prompt_buffer or self.chain_transport != SHARING.get(device.type):
+            return False
+        try:
+            buffer = ipc.open_buffer(bytes(self.hello.prompt_buffer), (size,), torch.uint8)
+        except (ValueError, RuntimeError) as exc:
+            logger.warning("the draft's prompt buffer cannot be mapped (%s); sending inline", exc)
+            return False
+        self.ring = PromptRing(buffer)
+        self.stream.stage = self.ring.stage
+        return True
+
     @property
     def chain_transport(self) -> int:
         """The transport the draft's hello chose for device-chain runs
@@ -336,6 +406,8 @@ class LocalLink:
         if response.HasField("chain_ready") or response.HasField("chain_step_done"):
             self._chain_answers.append(response)
             return
+        if self.ring is not None:
+            self.ring.release(response.step_id)
         with self._lock:
             if response.step_id not in self._unanswered:
                 logger.warning("draft answered unknown step %d", response.step_id)

@@ -219,6 +219,7 @@ async def main(config: TargetServiceConfig) -> None:
             deadline_s=config.draft_deadline_s,
             tls=config.draft_tls,
             local_stream=config.draft_local_stream,
+            device=config.engine.device,
         )
     engine = await asyncio.to_thread(
         _on_device, config.engine.device, Engine, config.engine, drafter=drafter, spec=config.spec

@@ -98,6 +98,13 @@ def bench(
             "GPU's idle fraction; the profiles stay under --log-dir/profiles."
         ),
     ] = False,
+    profile_start: Annotated[
+        int | None,
+        typer.Option(
+            help="With --profile-idle: steps of the profiled round before its window (default: "
+            "the prefill and two more; later to measure only steady decoding)."
+        ),
+    ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object (the table goes to stderr).")
     ] = False,
@@ -148,6 +155,7 @@ def bench(
             log_dir=log_dir,
             draft_device=draft_device,
             profile_idle=profile_idle,
+            profile_start=profile_start,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -71,10 +71,13 @@ class IdleProbe:
 _MARGIN = 3  # steps between a window's end and the least a round can take
 
 
-def probe_window(w: Workload, max_batch: int, spec_steps: int) -> tuple[int, int, int]:
-    """(start_step, num_steps, new tokens of the profiled round): see :class:`IdleProbe`."""
+def probe_window(
+    w: Workload, max_batch: int, spec_steps: int, start_step: int | None = None
+) -> tuple[int, int, int]:
+    """(start_step, num_steps, new tokens of the profiled round): see :class:`IdleProbe`.
+    The window starts after the prefill and two steps, or at ``start_step`` (steps skipped)."""
     prefill = math.ceil(max_batch * w.prompt_len / EngineConfig.max_num_batched_tokens)
-    start = prefill + 2
+    start = prefill + 2 if start_step is None else start_step
 
     def decode_steps(new_tokens: int) -> int:
         return math.ceil((new_tokens - 1) / (spec_steps + 1))
@@ -84,6 +87,8 @@ def probe_window(w: Workload, max_batch: int, spec_steps: int) -> tuple[int, int
     return start, num, new_tokens
 
 
-def plan_probe(root: Path, w: Workload, max_batch: int, spec_steps: int) -> IdleProbe:
-    start, num, new_tokens = probe_window(w, max_batch, spec_steps)
+def plan_probe(
+    root: Path, w: Workload, max_batch: int, spec_steps: int, start_step: int | None = None
+) -> IdleProbe:
+    start, num, new_tokens = probe_window(w, max_batch, spec_steps, start_step)
     return IdleProbe(root=root, start_step=start, num_steps=num, new_tokens=new_tokens)

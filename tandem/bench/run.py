@@ -58,6 +58,7 @@ class BenchConfig:
     log_dir: Path | None = None  # the services' logs (default: a temporary directory)
     draft_device: str | None = None  # the draft service's device (default: ``device``)
     profile_idle: bool = False  # GPU idle of one profiled round per services row
+    profile_start: int | None = None  # steps before the profiled window (None: prefill + 2)
 
     def __post_init__(self) -> None:
         unknown = set(self.modes) - set(ALL_MODES)
@@ -160,7 +161,7 @@ def _profiled(config: BenchConfig) -> str:
     if not config.profile_idle:
         return "off"
     start, num, new_tokens = probe_window(
-        config.workload, max(config.batch_sizes), config.spec_steps
+        config.workload, max(config.batch_sizes), config.spec_steps, config.profile_start
     )
     return (
         f"steps {start + 1}-{start + num} of one more round per services row "
@@ -262,7 +263,11 @@ def _services(
         probe = None
         if config.profile_idle:  # one directory per batch size and row under log_dir/profiles
             probe = plan_probe(
-                log_dir / "profiles", config.workload, max(config.batch_sizes), config.spec_steps
+                log_dir / "profiles",
+                config.workload,
+                max(config.batch_sizes),
+                config.spec_steps,
+                config.profile_start,
             )
         stack = services.start_stack(
             config.target,
@@ -273,7 +278,8 @@ def _services(
             page_size=config.page_size,
             num_pages=config.num_pages,
             max_batch=max(config.batch_sizes),
-            two_lane_batch=config.two_lane_batch,
+            # Device-chain runs need one lane (they overlap draft and target themselves).
+            two_lane_batch=0 if device_chain else config.two_lane_batch,
             simulate_accept_length=config.simulate_accept_length,
             spec_policy=config.spec_policy,
             log_dir=log_dir,

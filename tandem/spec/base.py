@@ -23,6 +23,9 @@ class Drafter(ABC):
     # it sends per step (HELD_BYTES_PER_STEP) so one message stays far below its cap. In
     # process a speculating step sends everything due at once (only K=0 flushes are paced).
     remote: bool = False
+    # A draft service whose prompts travel through a buffer it shares on this host
+    # (``tandem.local_stream.PromptRing``): taking them in costs no serialisation.
+    shares_prompts: bool = False
     # Time spent in draft model compute (forwards, logits, top-k) so far, host clock; for a
     # remote draft, what its answers reported. Benchmarks subtract it from cycle times.
     model_ns: int = 0

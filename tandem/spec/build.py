@@ -41,7 +41,8 @@ class DraftConfig:
     fast_top1: bool = True  # K=1: fused argmax + logsumexp instead of softmax + topk
     # Chains and extends through CUDA graphs (tandem/spec/draft_graphs.py); None = on for CUDA.
     cuda_graphs: bool | None = None
-    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # The target's default buckets (EngineConfig): a device-chain run needs its bucket on both.
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     cuda_graph_steps: tuple[int, ...] = (3,)  # S captured at load; any other S on first use
     # Without CUDA graphs (CPU): the graphs' buckets run eagerly on their static buffers, the
     # stand-in with which the CPU tests run device-chain runs (draft_service/chain.py).

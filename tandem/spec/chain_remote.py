@@ -36,14 +36,13 @@ from tandem import ipc
 from tandem.draft_client import RemoteDrafter
 from tandem.graph_buffers import Bucket
 from tandem.graphs import TargetGraphRunner
-from tandem.local_stream import LocalLink
+from tandem.local_stream import SHARING, LocalLink
 from tandem.spec.chain_draft import Chains, Outcome
 from tandem.v1 import draft_pb2
 
 logger = logging.getLogger(__name__)
 
 _QUIET_S = 1.0  # after a refusal, no run starts for this long (each try is a round trip)
-TRANSPORTS = {"cuda": draft_pb2.TENSOR_TRANSPORT_CUDA_IPC, "cpu": draft_pb2.TENSOR_TRANSPORT_SHM}
 
 
 class RemoteChain:
@@ -84,7 +83,7 @@ class RemoteChain:
     def link(self) -> LocalLink | None:
         """The local link when it can carry a run for this device, else None."""
         link = self.drafter.chain_link()
-        if link is None or link.chain_transport != TRANSPORTS.get(self.device.type):
+        if link is None or link.chain_transport != SHARING.get(self.device.type):
             return None
         if link is not self._link:  # a new stream: nothing of the old one is mapped there
             self._link = link

@@ -32,7 +32,9 @@ until the answer is back (that answer's trees are stale by then; the K=0 outcome
 and go out in the next speculating step, whose answer is waited for, as after any K=0
 stretch). So the serialisation and transport of a batch of prompts' features (24 KiB a token
 for an 8B EAGLE-3 head: 100+ ms for eight 128-token prompts over gRPC) costs plain steps
-rather than a stalled target.
+rather than a stalled target. A draft that shares a prompt buffer on this host
+(``Drafter.shares_prompts``: the features are copied on the device, not serialised) is waited
+for like any other step.
 """
 
 from __future__ import annotations
@@ -255,7 +257,8 @@ class DraftExchange:
             self._catching_up_lanes.add(lane)
         # New prompts only: a catch-up is waited for (what it would hold back next is what
         # the answer catches up on, so not waiting could go on for ever).
-        if self.drafter.remote and sum(nbytes(a.features) for a in admits) >= INGEST_BYTES:
+        ingest = self.drafter.remote and not self.drafter.shares_prompts
+        if ingest and sum(nbytes(a.features) for a in admits) >= INGEST_BYTES:
             self._ingesting_lanes.add(lane)
         elif alone and draft:
             started = time.perf_counter_ns()

@@ -132,7 +132,7 @@ class DraftAdmit:
         what the draft holds once it applied both."""
         features = self.features
         if features is not None and outcome.features is not None:
-            features = torch.cat([features, outcome.features.to(features.dtype)])
+            features = torch.cat([features, outcome.features.to(features.device, features.dtype)])
         tokens = [*self.token_ids, *outcome.accepted_token_ids, outcome.bonus_token_id]
         return replace(self, token_ids=tokens, features=features)
 

@@ -84,7 +84,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TensorFrame(_message.Message):
-    __slots__ = ("name", "chunk_index", "num_chunks", "byte_offset", "total_bytes", "dtype", "shape", "data")
+    __slots__ = ("name", "chunk_index", "num_chunks", "byte_offset", "total_bytes", "dtype", "shape", "data", "shared_offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class TensorFrame(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_OFFSET_FIELD_NUMBER: _ClassVar[int]
     name: str
     chunk_index: int
     num_chunks: int
@@ -101,7 +102,8 @@ class TensorFrame(_message.Message):
     dtype: Dtype
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., byte_offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shared_offset: int
+    def __init__(self, name: _Optional[str] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., byte_offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shared_offset: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_new_tokens", "stop_token_ids", "stop_strings", "ignore_eos", "logprobs")

@@ -20,18 +20,22 @@ TENSOR_TRANSPORT_SHM: TensorTransport
 TENSOR_TRANSPORT_CUDA_IPC: TensorTransport
 
 class SpeculateHello(_message.Message):
-    __slots__ = ("protocol_version", "tensor_transports", "max_message_bytes", "model_id", "instance_id")
+    __slots__ = ("protocol_version", "tensor_transports", "max_message_bytes", "model_id", "instance_id", "prompt_buffer", "prompt_buffer_bytes")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     tensor_transports: _containers.RepeatedScalarFieldContainer[TensorTransport]
     max_message_bytes: int
     model_id: str
     instance_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., tensor_transports: _Optional[_Iterable[_Union[TensorTransport, str]]] = ..., max_message_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    prompt_buffer: bytes
+    prompt_buffer_bytes: int
+    def __init__(self, protocol_version: _Optional[int] = ..., tensor_transports: _Optional[_Iterable[_Union[TensorTransport, str]]] = ..., max_message_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., prompt_buffer: _Optional[bytes] = ..., prompt_buffer_bytes: _Optional[int] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("hello", "step_id", "lane_id", "speculation", "deadline_ns", "outcomes", "new_requests", "prompt_frames", "released_request_ids", "chain_begin", "chain_step", "chain_end")

@@ -35,6 +35,7 @@ from tandem.wire.framing import (
     EncodedFrame,
     encode_frames,
     length_tag,
+    shared_frame,
     tensor_to_frames,
     varint,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "proto_dtype",
     "sampling_from_proto",
     "sampling_to_proto",
+    "shared_frame",
     "spec_from_proto",
     "spec_to_proto",
     "tensor_from_frames",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -106,11 +106,20 @@ class FrameAssembler:
     the partial tensor and is likewise ready for a chunk 0.
     """
 
-    def __init__(self, *, max_bytes: int, path: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        max_bytes: int,
+        path: str = "",
+        shared: Callable[[int, int], torch.Tensor] | None = None,
+    ) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self.path = path
+        # A tensor in a shared buffer (``shared_offset``): (offset, bytes) -> a uint8 copy of
+        # them; InvalidRequest when they lie outside it. None: such frames are refused.
+        self.shared = shared
         self.reset()
 
     def reset(self) -> None:
@@ -130,7 +139,10 @@ class FrameAssembler:
         return self._buffer is not None
 
     def add(self, frame: TensorFrame) -> torch.Tensor | None:
-        """Take the next frame; return the finished CPU tensor with its last chunk, else None."""
+        """Take the next frame; return the finished tensor with its last chunk, else None (a
+        CPU tensor, or for a shared frame the copy ``shared`` makes, on its device)."""
+        if frame.WhichOneof("payload") == "shared_offset":
+            return self._shared(frame)
         try:
             if self._buffer is None:
                 self._start(frame)
@@ -172,6 +184,28 @@ class FrameAssembler:
         self._total_bytes = frame.total_bytes
         # A tensor in one chunk takes a copy of that chunk in _append instead (no zero fill).
         self._buffer = bytearray(frame.total_bytes if frame.num_chunks > 1 else 0)
+
+    def _shared(self, frame: TensorFrame) -> torch.Tensor:
+        """A whole tensor in one frame whose bytes lie in the shared buffer."""
+        if self.shared is None:
+            raise InvalidRequest(self._field("shared_offset"), "no shared buffer on this stream")
+        if self._buffer is not None:
+            self.reset()
+            raise InvalidRequest(self._field("shared_offset"), "inside an inline tensor's chunks")
+        if frame.chunk_index != 0 or frame.num_chunks != 1 or frame.byte_offset != 0:
+            raise InvalidRequest(self._field("num_chunks"), "a shared tensor is one whole chunk")
+        dtype, shape = _check_header(
+            frame.dtype,
+            frame.shape,
+            frame.total_bytes,
+            max_bytes=self.max_bytes,
+            path=self.path,
+            size_field="total_bytes",
+        )
+        if dtype == torch.bool:
+            raise InvalidRequest(self._field("dtype"), "bool tensors are sent inline")
+        raw = self.shared(frame.shared_offset, frame.total_bytes)
+        return raw.view(dtype).reshape(shape)
 
     def _check_continuation(self, frame: TensorFrame) -> None:
         if frame.name != self._name:

@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 
 from tandem.v1 import common_pb2
 from tandem.v1.common_pb2 import TensorFrame
-from tandem.wire.frames import MAX_FRAME_BYTES, _element_bytes
+from tandem.wire.frames import MAX_FRAME_BYTES, _element_bytes, proto_dtype
 
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
@@ -66,7 +66,10 @@ class EncodedFrame:
     @functools.cached_property
     def head(self) -> bytes:
         """The serialized fields before the data: the header, the data field's tag and
-        length (built on first use: frames built into a message never need it)."""
+        length (built on first use: frames built into a message never need it); a shared
+        frame's whole serialization (it has no data)."""
+        if "shared_offset" in self.header:
+            return TensorFrame(**self.header).SerializeToString()
         return TensorFrame(**self.header).SerializeToString() + _DATA_TAG + varint(len(self.data))
 
     @property
@@ -74,6 +77,9 @@ class EncodedFrame:
         return len(self.head) + len(self.data)
 
     def add_to(self, frames: RepeatedCompositeFieldContainer[TensorFrame]) -> None:
+        if "shared_offset" in self.header:
+            frames.add(**self.header)
+            return
         frames.add(**self.header, data=self.data.tobytes())
 
     def pieces(self) -> tuple[bytes, memoryview]:
@@ -105,6 +111,22 @@ def encode_frames(
         data = flat[offset : offset + chunk_bytes].data  # a memoryview of the array
         frames.append(EncodedFrame(header=header, data=data))
     return frames
+
+
+def shared_frame(name: str, t: torch.Tensor, offset: int) -> EncodedFrame:
+    """The one frame of ``t`` (already written at byte ``offset`` of the buffer the receiver
+    shared) that names where it lies instead of carrying its bytes."""
+    header: dict[str, Any] = {
+        "name": name,
+        "chunk_index": 0,
+        "num_chunks": 1,
+        "byte_offset": 0,
+        "total_bytes": t.numel() * t.element_size(),
+        "dtype": proto_dtype(t.dtype),
+        "shape": list(t.shape),
+        "shared_offset": offset,
+    }
+    return EncodedFrame(header=header, data=memoryview(b""))
 
 
 def varint(n: int) -> bytes:

@@ -20,7 +20,8 @@ from draft_service.config import DraftServiceConfig
 from tandem import wire
 from tandem.draft_client import RemoteDrafter
 from tandem.draft_stream import StreamState
-from tandem.local_stream import HEADER, FrameBuffer, LocalLink, check_path, encode
+from tandem.errors import InvalidRequest
+from tandem.local_stream import HEADER, FrameBuffer, LocalLink, PromptRing, check_path, encode
 from tandem.v1 import draft_pb2
 from tests.service.test_draft_service import (
     LAYERS,
@@ -189,3 +190,48 @@ def test_unreachable_socket_falls_back_to_grpc(ckpts: Ckpts, tmp_path: Path) -> 
             remote.close()
     finally:
         s.stop()
+
+
+def test_prompt_ring_reuses_a_region_only_once_its_step_is_answered() -> None:
+    ring = PromptRing(torch.zeros(100, dtype=torch.uint8))
+    ten = torch.arange(10, dtype=torch.float32)  # 40 bytes
+    first = ring.stage(1, ten)
+    assert first is not None and first.header["shared_offset"] == 0
+    assert torch.equal(ring.buffer[:40].view(torch.float32), ten)
+    second = ring.stage(2, ten + 1)
+    assert second is not None and second.header["shared_offset"] == 40
+    assert ring.stage(3, ten) is None  # step 1's bytes are still unread: no room
+    ring.release(1)
+    third = ring.stage(3, ten + 2)
+    assert third is not None and third.header["shared_offset"] == 0  # wrapped
+    assert ring.stage(4, torch.zeros(3)) is None  # would overwrite step 2's
+    ring.release(2)
+    fourth = ring.stage(4, torch.zeros(3))
+    assert fourth is not None and fourth.header["shared_offset"] == 40
+    assert ring.stage(5, torch.zeros(30)) is None  # larger than the buffer
+
+
+def test_a_shared_frame_is_read_from_the_buffer_and_checked() -> None:
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    ring = PromptRing(buffer)
+    features = torch.arange(12, dtype=torch.float32).view(3, 4)
+    encoded = ring.stage(1, features)
+    assert encoded is not None
+    message = draft_pb2.PromptFrames(request_id="r")
+    encoded.add_to(message.frames)
+    again = draft_pb2.PromptFrames.FromString(message.SerializeToString())
+    frame = again.frames[0]
+    assert frame.WhichOneof("payload") == "shared_offset" and not frame.data
+
+    def read(offset: int, nbytes: int) -> torch.Tensor:
+        return buffer[offset : offset + nbytes].clone()
+
+    out = wire.FrameAssembler(max_bytes=1024, shared=read).add(frame)
+    assert out is not None and torch.equal(out, features)
+    with pytest.raises(InvalidRequest, match="no shared buffer"):
+        wire.FrameAssembler(max_bytes=1024).add(frame)
+    with pytest.raises(InvalidRequest, match="total_bytes"):
+        wire.FrameAssembler(max_bytes=16, shared=read).add(frame)
+    frame.num_chunks = 2
+    with pytest.raises(InvalidRequest, match="one whole chunk"):
+        wire.FrameAssembler(max_bytes=1024, shared=read).add(frame)

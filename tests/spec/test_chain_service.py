@@ -1,8 +1,8 @@
 """Device-chain runs through a draft service (``tandem/spec/chain_remote.py`` at the target,
 ``draft_service/chain.py`` at the draft): a real draft server on its own event loop and
 worker thread, its local socket, the messages of docs/device-cycle.md, and the ``Outcome`` and
-``Chains`` buffers in shared memory (the CPU stand-in for CUDA IPC; buckets run eagerly on
-their static buffers, Triton interpreted).
+``Chains`` buffers and the prompt buffer in shared memory (the CPU stand-in for CUDA IPC;
+buckets run eagerly on their static buffers, Triton interpreted).
 
 Greedy output must equal target-only output while runs start and end with arrivals; a draft
 that stops answering mid-run costs its requests their speculation, never a token.
@@ -61,7 +61,9 @@ def draft(ckpts: Checkpoints, tmp_path: Path) -> Iterator[ServerThread]:
 def remote_chain_engine(ckpts: Checkpoints, address: str, deadline_s: float = 120.0) -> Engine:
     """The target's engine with a ``RemoteDrafter`` on the draft's local stream and its
     buckets run eagerly (as ``tests/spec/test_device_chain.chain_engine``)."""
-    drafter = RemoteDrafter(address, num_target_layers=LAYERS, deadline_s=deadline_s)
+    drafter = RemoteDrafter(
+        address, num_target_layers=LAYERS, deadline_s=deadline_s, device=str(DEVICE)
+    )
     assert drafter.wait_ready(60)
     config = EngineConfig(
         model=ckpts.target,
@@ -101,6 +103,8 @@ def test_the_hellos_choose_shared_memory(ckpts: Checkpoints, draft: ServerThread
     try:
         link = _remote(engine).link()
         assert link is not None and link.chain_transport == draft_pb2.TENSOR_TRANSPORT_SHM
+        assert link.ring is not None and link.ring.buffer.numel() == 256 << 20
+        assert engine.drafter is not None and engine.drafter.shares_prompts
     finally:
         _close(engine)
 
@@ -114,6 +118,8 @@ def test_output_through_the_service_equals_target_only(
     try:
         outputs, _ = drive(engine, PLAN)
         assert outputs == reference
+        link = _remote(engine).link()
+        assert link is not None and link.ring is not None and link.ring.staged_bytes > 0
         chain = engine.chain
         assert chain is not None and not chain.active
         remote = _remote(engine)
