@@ -10,6 +10,10 @@ top-2 margin there (bf16 non-associativity flips only near-ties), plus the servi
 length.
 
     python bench/gpu_parity.py [--dtypes float32,bfloat16] [--prompts 64] [--new-tokens 128]
+                               [--device-chain]
+
+``--device-chain``: the target runs steady chains as device-chain runs with the draft on its
+local socket (one lane: the gateway's ``--two-lane-batch 0``).
 """
 
 from __future__ import annotations
@@ -58,7 +62,13 @@ async def _through_gateway(
 
 
 def through_services(
-    family: Path, prompts: list[list[int]], n: int, dtype: str, device: str, log_dir: Path
+    family: Path,
+    prompts: list[list[int]],
+    n: int,
+    dtype: str,
+    device: str,
+    log_dir: Path,
+    device_chain: bool = False,
 ) -> tuple[list[list[int]], float]:
     ports = free_port(), free_port(), free_port()
     stack = build_stack(
@@ -74,8 +84,13 @@ def through_services(
         target_port=ports[1],
         draft_port=ports[2],
         draft_deadline_s=30.0,  # parity of the speculative path, never its K=0 fallback
-        two_lane_batch=16,
-        extra_target_args=["--max-num-seqs", str(len(prompts))],
+        two_lane_batch=0 if device_chain else 16,
+        local_stream=device_chain,
+        extra_target_args=[
+            *("--max-num-seqs", str(len(prompts))),
+            # Each run's start and end in the target's log (DEBUG).
+            *(["--device-chain", "--log-level", "DEBUG"] if device_chain else []),
+        ],
     )
     stack.start(log_dir=log_dir)
     try:
@@ -112,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--device-chain", action="store_true")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -124,7 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes.split(","):
         ours = target_only(family / "target", prompts, args.new_tokens, dtype, args.device)
         spec, accept = through_services(
-            family, prompts, args.new_tokens, dtype, args.device, log_root / dtype
+            family,
+            prompts,
+            args.new_tokens,
+            dtype,
+            args.device,
+            log_root / dtype,
+            args.device_chain,
         )
         same = [i for i, (a, b) in enumerate(zip(ours, spec, strict=True)) if a == b]
         entry: dict[str, Any] = {

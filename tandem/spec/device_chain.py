@@ -207,7 +207,8 @@ class DeviceChain:
         self.target.outcome = self.draft.outcome = outcome
         self.runs += 1
         self._run_launches = self.launches
-        logger.debug("device chain: run %d of %d requests starts", self.runs, len(reqs))
+        log = logger.info if self.runs == 1 else logger.debug  # the first, then DEBUG
+        log("device chain: run %d of %d requests starts", self.runs, len(reqs))
         self._launch()
         return True
 
