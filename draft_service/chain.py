@@ -164,6 +164,10 @@ class ChainPeer:
             if not msg.event:
                 raise ValueError("the first ChainBegin must carry the target's event")
             self._theirs = ipc.open_event(bytes(msg.event), half.device.index)
+        if half.device.type == "cuda":
+            # What this stream still has queued (a late half of an abandoned run writes the
+            # target's Chains) is done before the answer: the target writes them after it.
+            torch.cuda.current_stream(half.device).synchronize()
         half.request_ids = ids
         if not half.reserve(list(msg.committed_lens), 0):
             raise ValueError("the draft's KV pool is full")

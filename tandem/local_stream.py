@@ -296,20 +296,27 @@ class LocalLink:
             return True
 
     def call(
-        self, request: draft_pb2.SpeculateRequest, deadline: float
+        self,
+        request: draft_pb2.SpeculateRequest,
+        deadline: float,
+        answers: Callable[[draft_pb2.SpeculateResponse], bool],
     ) -> draft_pb2.SpeculateResponse | None:
-        """Posts a ChainBegin or ChainStep and reads until its answer is in (engine thread);
-        None when ``deadline`` passes first or the link breaks. Answers come in order: one
-        call waits at a time, so the next chain answer is this one's."""
-        self._chain_answers.clear()  # a late answer to an earlier call
+        """Posts a ChainBegin or ChainStep and reads until the chain answer for which
+        ``answers`` holds is in (engine thread; others, late answers to earlier calls, are
+        dropped); None when ``deadline`` passes first or the link breaks."""
+        self._chain_answers.clear()
         if not self.post(request):
             return None
-        while not self._chain_answers:
+        while True:
+            while self._chain_answers:
+                answer = self._chain_answers.pop(0)
+                if answers(answer):
+                    return answer
+                logger.debug("a late chain answer dropped: %s", answer)
             if self.broken is not None:
                 return None
             if self._read_one(deadline) is None and time.monotonic() >= deadline:
                 return None
-        return self._chain_answers.pop(0)
 
     # -- reading (engine thread) -----------------------------------------------------------
 

@@ -132,10 +132,15 @@ class RemoteChain:
             self._mine = torch.cuda.Event(interprocess=True)
             self._mine.record()
             msg.event = self._mine.ipc_handle()
-        answer = link.call(draft_pb2.SpeculateRequest(chain_begin=msg), self._deadline())
+        run_id = self._run_id
+        answer = link.call(
+            draft_pb2.SpeculateRequest(chain_begin=msg),
+            self._deadline(),
+            lambda a: a.HasField("chain_ready") and a.chain_ready.run_id == run_id,
+        )
         ready = None if answer is None else answer.chain_ready
-        if ready is None or ready.run_id != self._run_id or ready.refused:
-            why = "no answer" if ready is None else ready.refused or "another run's answer"
+        if ready is None or ready.refused:
+            why = "no answer" if ready is None else ready.refused
             logger.info("device chain: the draft refused run %d: %s", self._run_id, why)
             self.refusals += 1
             self._quiet_until = time.monotonic() + _QUIET_S
@@ -193,9 +198,14 @@ class RemoteChain:
         msg = draft_pb2.ChainStep(
             run_id=self._run_id, step=self._step, committed_lens=self._lengths, unread=self._unread
         )
-        answer = link.call(draft_pb2.SpeculateRequest(chain_step=msg), self._deadline())
+        run_id, step = self._run_id, self._step
+        answer = link.call(
+            draft_pb2.SpeculateRequest(chain_step=msg),
+            self._deadline(),
+            lambda a: (a.chain_step_done.run_id, a.chain_step_done.step) == (run_id, step),
+        )
         done = None if answer is None else answer.chain_step_done
-        if done is None or done.run_id != self._run_id or done.step != self._step:
+        if done is None:
             self.failed = link.broken or "no answer by the deadline"
         elif done.failed:
             self.failed = done.failed

@@ -112,6 +112,10 @@ class TargetChain:
             ]
         )
 
+    def chains_for(self, bucket: Bucket) -> Chains:
+        """The ``Chains`` buffers of ``bucket`` (the draft half writes them), nothing written."""
+        return self._static(bucket).chains
+
     def begin(self, reqs: Sequence[Request], bucket: Bucket) -> Chains:
         """Stages the verify bucket for a run of ``reqs`` (reserved already) with their trees
         as the first step's chains, and returns the ``Chains`` buffers the draft half writes."""

@@ -195,15 +195,18 @@ class DeviceChain:
         if not self._reserve():
             self.reqs = []
             return False
-        self.target.chains = self.draft.chains = self.target.begin(reqs, bucket)
+        # The draft first: a draft service answers once its stream has finished what it had
+        # queued (a late half of an abandoned run writes these chains), and only then are
+        # the first step's chains written.
+        self.draft.chains = self.target.chains_for(bucket)
         outcome = self.draft.begin(self.draft.request_ids, bucket)
         if outcome is None:  # a draft service refused: the ordinary cycle goes on
             for req in reqs:
                 self.target.alloc.truncate(req.request_id, req.num_computed)
-            self.target.end()
             self.draft.chains = None
             self.reqs = []
             return False
+        self.target.begin(reqs, bucket)
         self.target.outcome = self.draft.outcome = outcome
         self.runs += 1
         self._run_launches = self.launches
