@@ -166,14 +166,7 @@ class FrameAssembler:
             )
         if frame.num_chunks < 1:
             raise InvalidRequest(self._field("num_chunks"), "must be at least 1")
-        self._dtype, self._shape = _check_header(
-            frame.dtype,
-            frame.shape,
-            frame.total_bytes,
-            max_bytes=self.max_bytes,
-            path=self.path,
-            size_field="total_bytes",
-        )
+        self._dtype, self._shape = self._header(frame)
         if frame.num_chunks > max(1, frame.total_bytes):
             raise InvalidRequest(
                 self._field("num_chunks"),
@@ -185,6 +178,17 @@ class FrameAssembler:
         # A tensor in one chunk takes a copy of that chunk in _append instead (no zero fill).
         self._buffer = bytearray(frame.total_bytes if frame.num_chunks > 1 else 0)
 
+    def _header(self, frame: TensorFrame) -> tuple[torch.dtype, tuple[int, ...]]:
+        """A first chunk's dtype and shape, checked against its size and ``max_bytes``."""
+        return _check_header(
+            frame.dtype,
+            frame.shape,
+            frame.total_bytes,
+            max_bytes=self.max_bytes,
+            path=self.path,
+            size_field="total_bytes",
+        )
+
     def _shared(self, frame: TensorFrame) -> torch.Tensor:
         """A whole tensor in one frame whose bytes lie in the shared buffer."""
         if self.shared is None:
@@ -194,14 +198,7 @@ class FrameAssembler:
             raise InvalidRequest(self._field("shared_offset"), "inside an inline tensor's chunks")
         if frame.chunk_index != 0 or frame.num_chunks != 1 or frame.byte_offset != 0:
             raise InvalidRequest(self._field("num_chunks"), "a shared tensor is one whole chunk")
-        dtype, shape = _check_header(
-            frame.dtype,
-            frame.shape,
-            frame.total_bytes,
-            max_bytes=self.max_bytes,
-            path=self.path,
-            size_field="total_bytes",
-        )
+        dtype, shape = self._header(frame)
         if dtype == torch.bool:
             raise InvalidRequest(self._field("dtype"), "bool tensors are sent inline")
         raw = self.shared(frame.shared_offset, frame.total_bytes)

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,11 +16,11 @@ import pytest
 import torch
 
 from tandem.demo import free_port
-from tandem.launch import Stack, build_stack, wait_serving
+from tandem.launch import Stack, build_stack
 from tandem.random_drafts import make_eagle3_checkpoint
 from tandem.random_model import make_checkpoint
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.e2e.test_services import server_info
+from tests.e2e.test_services import restart_draft
 
 pytestmark = [
     pytest.mark.gpu,
@@ -145,16 +143,7 @@ def test_a_draft_killed_mid_run_loses_nothing_and_comes_back(
         assert asyncio.run(scenario()) == reference
         assert not [s.name for s in stack.dead() if s.name != "draft"]
         before = runs(stack)
-        draft.proc = subprocess.Popen(
-            [sys.executable, "-m", draft.module, *draft.args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_serving(draft, 120)
-        deadline = time.monotonic() + 30
-        while asyncio.run(server_info(gateway)).draft_state != common_pb2.DRAFT_STATE_HEALTHY:
-            assert time.monotonic() < deadline, "the target never re-attached to the draft"
-            time.sleep(0.2)
+        restart_draft(draft, gateway)
         again = asyncio.run(generate(gateway, LONG))
         assert [t for t, _ in again] == reference
         assert runs(stack) > before

@@ -194,21 +194,27 @@ def test_killing_the_draft_loses_nothing(
         assert [r["tokens"] for r in results] == reference
         assert states[-1] == common_pb2.DRAFT_STATE_UNHEALTHY, states
         # The draft comes back on the same port; new requests speculate again.
-        draft.proc = subprocess.Popen(
-            [sys.executable, "-m", draft.module, *draft.args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_serving(draft, 120)
-        deadline = time.monotonic() + 30
-        while asyncio.run(server_info(gateway)).draft_state != common_pb2.DRAFT_STATE_HEALTHY:
-            assert time.monotonic() < deadline, "the target never re-attached to the draft"
-            time.sleep(0.2)
+        restart_draft(draft, gateway)
         again = asyncio.run(generate(gateway, prompts()[:2]))
         assert [r["tokens"] for r in again] == reference[:2]
         assert sum(r["complete"].usage.accepted_tokens for r in again) > 0
     finally:
         stack.stop()
+
+
+def restart_draft(draft: Service, gateway: int) -> None:
+    """Starts a killed draft service again (same flags, same port) and waits until the
+    gateway reports the target re-attached."""
+    draft.proc = subprocess.Popen(
+        [sys.executable, "-m", draft.module, *draft.args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_serving(draft, 120)
+    deadline = time.monotonic() + 30
+    while asyncio.run(server_info(gateway)).draft_state != common_pb2.DRAFT_STATE_HEALTHY:
+        assert time.monotonic() < deadline, "the target never re-attached to the draft"
+        time.sleep(0.2)
 
 
 def test_stack_stops_cleanly_on_sigterm(ckpts: dict[str, Path], tmp_path: Path) -> None:
