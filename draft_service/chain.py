@@ -90,9 +90,19 @@ class ChainPeer:
         self.prompts: torch.Tensor | None = None
         if prompt_bytes:
             device = torch.device(engine.config.device)
-            self.prompts = torch.zeros(prompt_bytes, dtype=torch.uint8, device=device)
-            share_on_cpu(self.prompts)
-            steps.session.shared = self.read_prompt
+            try:
+                prompts = torch.zeros(prompt_bytes, dtype=torch.uint8, device=device)
+                share_on_cpu(prompts)
+            except (RuntimeError, OSError) as exc:  # out of memory, or a small /dev/shm
+                logger.warning(
+                    "stream %d: no %d-byte prompt buffer (%s); prompts travel inline",
+                    self.stream,
+                    prompt_bytes,
+                    exc,
+                )
+            else:
+                self.prompts = prompts
+                steps.session.shared = self.read_prompt
         self.run: ChainRun | None = None
         self._last_run = 0
         self._halves: dict[int, DraftChain] = {}  # per S

@@ -38,6 +38,7 @@ from tests.spec.test_device_chain import BATCH_SIZES, PLAN, reference, reference
 check_mode(_tree_attention_kernel)
 
 NUM_STEPS = 3
+PROMPT_MB = 16  # the draft's shared prompt buffer (shared memory here)
 
 
 @pytest.fixture
@@ -53,7 +54,11 @@ def draft(ckpts: Checkpoints, tmp_path: Path) -> Iterator[ServerThread]:
         cuda_graph_batch_sizes=BATCH_SIZES,
         cuda_graph_steps=(NUM_STEPS,),
     )
-    server = ServerThread(DraftServiceConfig(draft=config, local_socket=str(tmp_path / "d.sock")))
+    server = ServerThread(
+        DraftServiceConfig(
+            draft=config, local_socket=str(tmp_path / "d.sock"), prompt_buffer_mb=PROMPT_MB
+        )
+    )
     yield server
     server.stop()
 
@@ -103,7 +108,7 @@ def test_the_hellos_choose_shared_memory(ckpts: Checkpoints, draft: ServerThread
     try:
         link = _remote(engine).link()
         assert link is not None and link.chain_transport == draft_pb2.TENSOR_TRANSPORT_SHM
-        assert link.ring is not None and link.ring.buffer.numel() == 256 << 20
+        assert link.ring is not None and link.ring.buffer.numel() == PROMPT_MB << 20
         assert engine.drafter is not None and engine.drafter.shares_prompts
     finally:
         _close(engine)
