@@ -21,7 +21,9 @@ draft graphs: ``DraftChain``); another refuses every ``ChainBegin``.
 - ``ChainEnd``: each row's committed tokens are appended and the drafter's host state rebuilt
   (``DraftChain.end``); finished rows, or every row of an abandoned run, are released.
 
-A step of another stream while a run is active disturbs it: the run's next step fails.
+A step of another stream while a run is active disturbs it: the run's next step fails. A run
+that the stream's next message does not step (the target gave up on ``ChainReady``) is dropped
+(``drop_unstarted``): its reservation goes back.
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ class ChainPeer:
         if problem:
             raise ValueError(problem)
         assert isinstance(drafter, ModelDrafter) and drafter.graphs is not None
+        self.drop_unstarted()
         if self.run is not None or self.engine.chain_run is not None:
             raise ValueError("a run is active")
         if msg.run_id <= self._last_run:
@@ -261,6 +264,16 @@ class ChainPeer:
         self.steps.session.forget(released)
         self.engine.untrack(self.stream, released)
         return released
+
+    def drop_unstarted(self) -> None:
+        """A run that no step reached when the stream's next message is not its step: the
+        target did not take the draft's answer in time and never started it."""
+        run = self.run
+        if run is None or run.step:
+            return
+        logger.info("stream %d: chain run %d never started; dropped", self.stream, run.run_id)
+        run.half.cancel()
+        self.run = self.engine.chain_run = None
 
     def close(self) -> None:
         """The stream ended: a run of it ends too (its requests are released with the stream)."""

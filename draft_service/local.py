@@ -136,6 +136,8 @@ class _Connection:
             self.steps = StreamSteps(servicer, info, f"unix:{self.streams.path}")
         if self._chain_message(request):
             return
+        if self.chain is not None:
+            self.chain.drop_unstarted()
         work = self.steps.begin(request)
         stream = self.steps.stream_id
         result = servicer.engine.step_here(stream, work.admits, work.outcomes, work.released)

@@ -215,6 +215,16 @@ class DraftChain:
         """A read step's committed tokens, appended to the drafter's host copy."""
         self.drafter.seqs[request_id].tokens.extend(tokens)
 
+    def cancel(self) -> None:
+        """Ends a run none of whose steps was launched: the rows' reservations go back and
+        the drafter's host state is as it was."""
+        for rid in self.request_ids:
+            seq = self.drafter.seqs.get(rid)
+            if seq is not None:
+                self.alloc.truncate(rid, len(seq.tokens) - self.shift)
+        self.request_ids = []
+        self.outcome = self.chains = None
+
     def end(self, finished: Sequence[bool]) -> None:
         """The drafter's host state of the last launched step (every step read): KV length,
         last output and kept feature per row; ``finished`` rows leave the drafter."""

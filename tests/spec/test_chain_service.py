@@ -21,9 +21,11 @@ from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: i
 # isort: split
 from draft_service.config import DraftServiceConfig
 from kernels.attention import _tree_attention_kernel
+from tandem import ipc
 from tandem.config import EngineConfig
 from tandem.draft_client import RemoteDrafter
 from tandem.engine import Engine
+from tandem.graph_buffers import Bucket
 from tandem.graphs import graph_widths
 from tandem.sampling import SamplingParams
 from tandem.spec.build import DraftConfig
@@ -194,6 +196,53 @@ def test_a_step_the_draft_refuses_ends_the_run(ckpts: Checkpoints, draft: Server
     finally:
         if other is not None:
             other.close()
+        _close(engine)
+
+
+def test_a_run_the_target_never_started_is_dropped(ckpts: Checkpoints, draft: ServerThread) -> None:
+    """A ChainBegin the draft accepted after the target stopped waiting (posted here by hand,
+    its answer taken but no step sent): the stream's next ordinary message drops the run on
+    the draft, its reservation goes back, and later runs start and keep target-only's output."""
+    engine = remote_chain_engine(ckpts, draft.address)
+    prompt = [5, 9, 17, 4, 250, 31]
+    try:
+        chain = engine.chain
+        assert chain is not None
+        remote = _remote(engine)
+        remote._quiet_until = float("inf")  # no run of the engine's own for now
+        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        link = remote.link()
+        assert link is not None and not chain.active
+        bucket = Bucket(1, NUM_STEPS + 1)
+        chains = chain.target.chains_for(bucket)
+        begin = draft_pb2.ChainBegin(
+            run_id=100,
+            batch_size=1,
+            num_steps=NUM_STEPS,
+            request_ids=[rid],
+            committed_lens=[link.stream.tracked[rid]],
+            chains=[ipc.describe(chains.tokens), ipc.describe(chains.valid)],
+        )
+        answer = link.call(
+            draft_pb2.SpeculateRequest(chain_begin=begin),
+            time.monotonic() + 60,
+            lambda a: a.HasField("chain_ready"),
+        )
+        assert answer is not None and not answer.chain_ready.refused
+        remote._map(answer.chain_ready, bucket)  # as if the engine's begin had taken it
+        remote._described.add(bucket)
+        remote._run_id = 100
+        engine.step()  # an ordinary step: the draft drops run 100
+        remote._quiet_until = 0.0
+        while engine.has_unfinished():
+            engine.step()
+        assert chain.runs >= 1 and chain.lost == 0
+        assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, prompt, 40)
+        engine.flush_draft()
+        _wait(lambda: draft.num_tracked() == 0)
+    finally:
         _close(engine)
 
 
