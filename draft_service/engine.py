@@ -108,8 +108,7 @@ class DraftEngine:
     def untrack(self, stream: int, request_ids: Sequence[str]) -> None:
         """Requests a device-chain run released itself (worker thread only)."""
         self._tracked.get(stream, set()).difference_update(request_ids)
-        kv = self._kv_usage()
-        self._last_kv = (kv.pages_used, kv.pages_total)
+        self._note_kv()
 
     def last_kv_usage(self) -> tuple[int, int]:
         """The pool after the last step; readable from any thread without waiting."""
@@ -270,8 +269,7 @@ class DraftEngine:
         self._route_dropped()
         dropped = self._dropped.pop(stream, [])
         tracked.difference_update(dropped)
-        kv = self._kv_usage()
-        self._last_kv = (kv.pages_used, kv.pages_total)
+        kv = self._note_kv()
         if self._profile is not None:
             self._profile.step()
         return StepResult(
@@ -298,8 +296,13 @@ class DraftEngine:
         if ids and self._drafter is not None:
             self._drafter.step([], [], [f"{stream}/{r}" for r in ids])
             logger.info("stream %d closed: released %d requests", stream, len(ids))
+        self._note_kv()
+
+    def _note_kv(self) -> KvUsage:
+        """The pool now, kept for ``last_kv_usage``."""
         kv = self._kv_usage()
         self._last_kv = (kv.pages_used, kv.pages_total)
+        return kv
 
     def _kv_usage(self) -> KvUsage:
         drafter = self._drafter

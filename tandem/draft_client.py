@@ -359,11 +359,11 @@ class RemoteDrafter(DraftStreams, Drafter):
         link = self._local
         return link is not None and link.ring is not None
 
-    def chain_link(self) -> LocalLink | None:
-        """The local link, when its draft agreed to device-chain runs
-        (``tandem/spec/chain_remote.py``); None otherwise."""
+    def chain_link(self, device: torch.device) -> LocalLink | None:
+        """The local link, when its hellos chose a transport that shares ``device`` with the
+        draft (device-chain runs, ``tandem/spec/chain_remote.py``); None otherwise."""
         link = self._local
-        if link is None or link.broken is not None or not link.chain_transport:
+        if link is None or link.broken is not None or not link.shares(device):
             return None
         return link
 

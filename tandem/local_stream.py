@@ -352,7 +352,7 @@ class LocalLink:
         (its transport is this device's): prompt features then travel through it. False
         (inline frames) otherwise."""
         size = self.hello.prompt_buffer_bytes
-        if not self.hello.prompt_buffer or self.chain_transport != SHARING.get(device.type):
+        if not self.hello.prompt_buffer or not self.shares(device):
             return False
         try:
             buffer = ipc.open_buffer(bytes(self.hello.prompt_buffer), (size,), torch.uint8)
@@ -367,11 +367,12 @@ class LocalLink:
     def chain_transport(self) -> int:
         """The transport the draft's hello chose for device-chain runs
         (``TENSOR_TRANSPORT_CUDA_IPC`` or ``_SHM``), 0 when none."""
-        chosen = set(self.hello.tensor_transports) & {
-            draft_pb2.TENSOR_TRANSPORT_CUDA_IPC,
-            draft_pb2.TENSOR_TRANSPORT_SHM,
-        }
+        chosen = set(self.hello.tensor_transports) & set(SHARING.values())
         return chosen.pop() if len(chosen) == 1 else 0
+
+    def shares(self, device: torch.device) -> bool:
+        """Whether the transport the hellos chose shares ``device`` with the draft."""
+        return self.chain_transport == SHARING.get(device.type)
 
     @property
     def backlogged(self) -> bool:

@@ -75,6 +75,10 @@ class DraftChain:
         self.steps: dict[Bucket, int] = {}  # steps launched per bucket
         self.failed = ""  # in process a launch does not fail (``RemoteChain``'s can)
 
+    def ready(self) -> bool:
+        """Whether a run may start (in process: always; ``RemoteChain``'s may not)."""
+        return True
+
     def eligible(self, request_id: str, num_tokens: int) -> bool:
         """Whether the drafter holds ``request_id`` in step with ``num_tokens`` committed
         tokens, as a chain of this run's S."""

@@ -36,7 +36,7 @@ from tandem import ipc
 from tandem.draft_client import RemoteDrafter
 from tandem.graph_buffers import Bucket
 from tandem.graphs import TargetGraphRunner
-from tandem.local_stream import SHARING, LocalLink
+from tandem.local_stream import LocalLink
 from tandem.spec.chain_draft import Chains, Outcome
 from tandem.v1 import draft_pb2
 
@@ -82,8 +82,8 @@ class RemoteChain:
 
     def link(self) -> LocalLink | None:
         """The local link when it can carry a run for this device, else None."""
-        link = self.drafter.chain_link()
-        if link is None or link.chain_transport != SHARING.get(self.device.type):
+        link = self.drafter.chain_link(self.device)
+        if link is None:
             return None
         if link is not self._link:  # a new stream: nothing of the old one is mapped there
             self._link = link

@@ -167,7 +167,7 @@ class DeviceChain:
         running = scheduler.running
         if self.active or scheduler.waiting or not running:
             return False
-        if isinstance(self.draft, RemoteChain) and not self.draft.ready():
+        if not self.draft.ready():
             return False
         if self.target_graphs.bucket_for(len(running), self.width) is None:
             return False
@@ -269,12 +269,11 @@ class DeviceChain:
             if done:
                 req.in_draft = False
                 continue
+            self.target.alloc.truncate(req.request_id, req.num_computed)
             if lost:  # the draft released it: it decodes without speculation from here
-                self.target.alloc.truncate(req.request_id, req.num_computed)
                 req.in_draft = req.speculate = False
                 req.tree = None
                 continue
-            self.target.alloc.truncate(req.request_id, req.num_computed)
             assert tree.tokens[0] == req.tokens[-1], "chain out of step"
             req.tree = tree.prefix(max(1, self._limit(req) - req.num_computed))
         self.target.end()

@@ -26,7 +26,6 @@ from tandem.config import EngineConfig
 from tandem.draft_client import RemoteDrafter
 from tandem.engine import Engine
 from tandem.graph_buffers import Bucket
-from tandem.graphs import graph_widths
 from tandem.sampling import SamplingParams
 from tandem.spec.build import DraftConfig
 from tandem.spec.chain_remote import RemoteChain
@@ -35,7 +34,13 @@ from tandem.v1 import draft_pb2
 from tests.driving import drive
 from tests.service.test_draft_service import ServerThread
 from tests.spec.conftest import LAYERS, Checkpoints
-from tests.spec.test_device_chain import BATCH_SIZES, PLAN, reference, reference_tokens  # noqa: F401 (a fixture)
+from tests.spec.test_device_chain import (  # noqa: F401 (reference: a fixture)
+    BATCH_SIZES,
+    PLAN,
+    reference,
+    reference_tokens,
+    static_target_buckets,
+)
 
 check_mode(_tree_attention_kernel)
 
@@ -82,13 +87,7 @@ def remote_chain_engine(ckpts: Checkpoints, address: str, deadline_s: float = 12
         cuda_graphs=False,
     )
     engine = Engine(config, drafter=drafter, spec=SpecConfig(num_steps=NUM_STEPS, topk=1))
-    engine.runner.enable_graphs(
-        batch_sizes=BATCH_SIZES,
-        widths=graph_widths(NUM_STEPS + 1),
-        max_model_len=engine.max_model_len,
-        capture_layers=drafter.target_layer_ids,
-        capture=False,
-    )
+    static_target_buckets(engine, NUM_STEPS, drafter.target_layer_ids)
     engine.enable_device_chain()
     return engine
 

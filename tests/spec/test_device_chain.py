@@ -37,6 +37,18 @@ PLAN = [
 ]
 
 
+def static_target_buckets(engine: Engine, num_steps: int, layers: tuple[int, ...]) -> None:
+    """The target's graph buckets for chains of ``num_steps``, run eagerly on their static
+    buffers (the CPU stand-in for CUDA graphs)."""
+    engine.runner.enable_graphs(
+        batch_sizes=BATCH_SIZES,
+        widths=graph_widths(num_steps + 1),
+        max_model_len=engine.max_model_len,
+        capture_layers=layers,
+        capture=False,
+    )
+
+
 def chain_engine(
     ckpts: Checkpoints,
     kind: str,
@@ -62,13 +74,7 @@ def chain_engine(
     )
     engine = Engine(config, drafter=drafter, spec=SpecConfig(num_steps=num_steps, topk=1))
     if not capture:  # the same buffers and buckets, run eagerly
-        engine.runner.enable_graphs(
-            batch_sizes=BATCH_SIZES,
-            widths=graph_widths(num_steps + 1),
-            max_model_len=engine.max_model_len,
-            capture_layers=drafter.target_layer_ids,
-            capture=False,
-        )
+        static_target_buckets(engine, num_steps, drafter.target_layer_ids)
         drafter.enable_graphs(
             batch_sizes=BATCH_SIZES,
             max_model_len=engine.max_model_len,
