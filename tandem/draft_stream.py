@@ -28,7 +28,7 @@ class StreamState:
         self.frame_bytes = frame_bytes  # bytes one tensor frame may take
         self.hidden_dtype = hidden_dtype
         self.tracked: dict[str, int] = {}  # request id -> committed tokens (draft's count)
-        # A local stream with the draft's prompt buffer (``tandem.local_stream.PromptRing``):
+        # A local stream with the draft's prompt buffer (``tandem.prompt_ring.PromptRing``):
         # (step id, features) -> their frame once written there, None when it has no room.
         self.stage: Callable[[int, torch.Tensor], wire.EncodedFrame | None] | None = None
         # Prompts not fully sent, in admission order: an admit not sent yet, or the frames

@@ -21,7 +21,8 @@ from tandem import wire
 from tandem.draft_client import RemoteDrafter
 from tandem.draft_stream import StreamState
 from tandem.errors import InvalidRequest
-from tandem.local_stream import HEADER, FrameBuffer, LocalLink, PromptRing, check_path, encode
+from tandem.local_stream import HEADER, FrameBuffer, LocalLink, check_path, encode
+from tandem.prompt_ring import PromptRing
 from tandem.v1 import draft_pb2
 from tests.service.test_draft_service import (
     LAYERS,
