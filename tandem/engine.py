@@ -241,7 +241,9 @@ class Engine(AheadSteps, ChainSteps):
         return sizes
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to step, or a device-chain run still to read and end (its last read
+        step's tokens went out first: ``ChainSteps._chain_step``)."""
+        return self.scheduler.has_unfinished() or (self.chain is not None and self.chain.active)
 
     def step(self) -> list[RequestOutput]:
         """Steps the next lane with work (in turn): its trees, one forward, its commits."""
@@ -268,6 +270,8 @@ class Engine(AheadSteps, ChainSteps):
             exchange.wait_ns = 0
         lanes = self.scheduler.lanes_with_work()
         if not lanes:
+            if self.chain is not None and self.chain.active:
+                return self._drain_chain(started, "no request left to step")
             return self._drain_ahead(started) if self.in_flight is not None else []
         speculate = exchange is not None
         # The policy's batch size is the size the batch is growing to: requests arriving over
@@ -426,7 +430,11 @@ class Engine(AheadSteps, ChainSteps):
     def flush_draft(self) -> None:
         """Collects every lane's outstanding answer and tells the draft about requests
         released since (aborted while idle, say), so it frees their pages now rather than
-        with the next step. Called when no request runs."""
+        with the next step. Called when no request runs: a device-chain run whose requests
+        all finished (its last step still unread) ends here, with nothing to commit."""
+        chain = self.chain
+        if chain is not None and chain.active and not self.scheduler.has_unfinished():
+            self._end_chain("every request finished")
         released = self._take_released()
         if self.exchange is not None:
             self.exchange.flush(released, self.last_lane)

@@ -89,8 +89,12 @@ class ChainSteps:
         wait_ns = time.perf_counter_ns() - waited
         self.last_speculated = True
         reason = problem or chain.stop_reason(self.scheduler)
-        if reason:
+        if problem or (reason and not chain.unread):
             outputs = _merge(outputs + self._end_chain(reason))
+        # Otherwise a run that must end (a request finished, a prompt waits) still has the
+        # step launched ahead to read: this step's tokens go out now, a finished request's
+        # last ones among them, and the next call reads that step and ends the run
+        # (``_drain_chain``) rather than hold them back for a step's time.
         self.last_timing = StepTiming(total_ns=time.perf_counter_ns() - started, forward_ns=wait_ns)
         if self.policy is not None:
             committed = sum(len(out.new_token_ids) for out in outputs)

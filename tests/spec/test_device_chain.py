@@ -194,6 +194,30 @@ def test_simulated_acceptance_runs_on_the_device(ckpts: Checkpoints) -> None:
     check_pools_empty(engine)
 
 
+def test_a_finished_request_goes_out_before_its_run_ends(ckpts: Checkpoints) -> None:
+    """The step that reads a request's last tokens returns them while the step launched
+    ahead is still unread (not a step's time later); the next step reads it and ends the
+    run, and ``has_unfinished`` holds until then."""
+    engine = chain_engine(ckpts, "eagle3", 3, simulate=3.0)
+    chain = engine.chain
+    assert chain is not None
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    request_id = engine.add_request([5, 9, 17], params)
+    tokens: list[int] = []
+    finished_with: tuple[bool, int] | None = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert finished_with is None, "tokens after the request finished"
+            tokens += out.new_token_ids
+            if out.finished:
+                finished_with = (chain.active, chain.unread)
+    assert finished_with == (True, 1)  # its run was still to end
+    assert not chain.active and not chain.unread
+    assert len(tokens) == 30
+    assert engine.pop_finished(request_id).token_ids == tokens
+    check_pools_empty(engine)
+
+
 GPU_PLAN = [
     Arrival(step=0, prompt=[5, 9, 17, 4, 250, 31], max_new_tokens=200),
     *(
