@@ -12,6 +12,7 @@ import torch
 
 from tandem.config import DTYPES
 from tandem.kv import KVCache, KVCacheSpec
+from tandem.models.decoder import transpose_weights
 from tandem.models.draft import DraftModule
 from tandem.spec.base import Drafter
 from tandem.spec.drafter import ModelDrafter
@@ -47,6 +48,9 @@ class DraftConfig:
     # Without CUDA graphs (CPU): the graphs' buckets run eagerly on their static buffers, the
     # stand-in with which the CPU tests run device-chain runs (draft_service/chain.py).
     static_buckets: bool = False
+    # Projection weights stored transposed (tandem.models.decoder.transpose_weights), as the
+    # target's: cuBLAS's faster layout and the skinny kernel at decode sizes; None = on for CUDA.
+    transposed_weights: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:
@@ -66,6 +70,12 @@ class DraftConfig:
             raise ValueError("cuda_graph_batch_sizes: need increasing sizes >= 1")
         if any(s < 1 for s in self.cuda_graph_steps):
             raise ValueError("cuda_graph_steps: every S must be >= 1")
+
+    @property
+    def use_transposed_weights(self) -> bool:
+        if self.transposed_weights is None:
+            return self.device.startswith("cuda")
+        return self.transposed_weights
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -114,6 +124,8 @@ def build_drafter(config: DraftConfig, num_target_layers: int) -> Drafter:
         # A served head is never trained: with parameters that need no grad, fused_ops picks
         # the Triton kernels outside inference mode too (a graph captured at load, say).
         module.eval().requires_grad_(False)
+        if config.use_transposed_weights:
+            transpose_weights(module)
     return ModelDrafter(
         modules,
         kvs,

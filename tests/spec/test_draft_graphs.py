@@ -63,6 +63,24 @@ def make_drafter(
     return drafter
 
 
+def test_transposed_draft_weights_change_only_their_layout(ckpts: Checkpoints) -> None:
+    """``DraftConfig.transposed_weights`` (on by default for CUDA, as the target's) stores every
+    projection of the head as the transpose of a row-major tensor: same values, same state."""
+    common = {"kind": "eagle3", "path": ckpts.drafts["eagle3"], "target": ckpts.target}
+    assert not DraftConfig(**common).use_transposed_weights  # CPU: off by default
+    assert DraftConfig(**common, device="cuda").use_transposed_weights
+    plain = build_drafter(DraftConfig(**common), LAYERS)
+    moved = build_drafter(DraftConfig(**common, transposed_weights=True), LAYERS)
+    assert isinstance(plain, ModelDrafter) and isinstance(moved, ModelDrafter)
+    before, after = plain.modules[0].state_dict(), moved.modules[0].state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    linears = [m for m in moved.modules[0].modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) >= 5  # fc, qkv, o, gate_up, down, lm_head
+    for m in linears:
+        assert m.weight.t().is_contiguous() and not m.weight.is_contiguous()
+
+
 class Twin(Drafter):
     """Steps a graph drafter and a host-path drafter alike; their answers must be equal."""
 
