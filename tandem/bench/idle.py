@@ -17,7 +17,9 @@ in the directories (docs/performance.md, "GPU idle").
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -53,6 +55,9 @@ class DeviceIdle:
     long_gap_idle_share: float  # the share of the idle time in long gaps
     largest_gaps: list[tuple[float, float]]  # (offset from the window's start, length), ms
     busy_by_process: dict[str, float] = field(default_factory=dict)  # own busy / window
+    # Where processes take turns on the device (a device-chain run: the target's verify, then
+    # the draft's half): process -> [median turn ms, median start-to-start period ms, turns].
+    turns: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -107,6 +112,41 @@ def gaps(intervals: Iterable[Interval], window: Interval) -> list[Interval]:
     return idle
 
 
+def turns(by_process: dict[str, list[Interval]], window: Interval) -> dict[str, list[float]]:
+    """Each process's turns on one device: maximal stretches of its intervals with no other
+    process's interval starting in between; per process the median turn (first start to last
+    end) and the median period between the starts of its turns, in ms, and the number of
+    turns. Empty unless two processes or more ran on the device; a process needs two turns."""
+    tagged = sorted(
+        (start, end, process)
+        for process, intervals in by_process.items()
+        for start, end in clip(intervals, window)
+    )
+    if len({process for _, _, process in tagged}) < 2:
+        return {}
+    stretches: dict[str, list[Interval]] = {}
+    last = ""  # the process whose turn is open
+    for start, end, process in tagged:
+        spans = stretches.setdefault(process, [])
+        if process == last:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+        else:
+            spans.append((start, end))
+            last = process
+    result = {}
+    for process, spans in stretches.items():
+        if len(spans) < 2:
+            continue
+        lengths = [e - s for s, e in spans]
+        periods = [b[0] - a[0] for a, b in itertools.pairwise(spans)]
+        result[process] = [
+            statistics.median(lengths) / 1e6,
+            statistics.median(periods) / 1e6,
+            float(len(spans)),
+        ]
+    return result
+
+
 def common_window(profiles: Sequence[Profile]) -> Interval:
     """The overlap of every process's window."""
     if not profiles:
@@ -150,6 +190,7 @@ def analyse(profiles: Sequence[Profile], top: int = 5) -> IdleReport:
                 busy_by_process={
                     p.process: busy_ns(p.intervals.get(key, []), window) / length for p in profiles
                 },
+                turns=turns({p.process: p.intervals.get(key, []) for p in profiles}, window),
             )
         )
     timelines = sorted({p.timeline for p in profiles})
@@ -230,6 +271,12 @@ def format_report(report: IdleReport) -> str:
         )
         shares = ", ".join(f"{p} {f:.1%}" for p, f in d.busy_by_process.items())
         lines.append(f"  busy by process: {shares}")
+        if d.turns:
+            shown = ", ".join(
+                f"{p} {turn:.3f} every {period:.3f} ({n:.0f})"
+                for p, (turn, period, n) in d.turns.items()
+            )
+            lines.append(f"  turns (median ms, period ms, count): {shown}")
         if d.largest_gaps:
             gaps_text = ", ".join(f"{length:.3f} @ {at:.2f}" for at, length in d.largest_gaps)
             lines.append(f"  largest gaps (ms @ offset ms): {gaps_text}")

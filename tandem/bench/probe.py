@@ -65,6 +65,10 @@ class IdleProbe:
             row.note = f"idle: {exc}"
             return
         row.idle_per_device = [d.idle_fraction for d in report.devices]
+        for device in report.devices:
+            target = [t for p, t in device.turns.items() if p.startswith("target-")]
+            if target:
+                row.verify_turn_ms, row.turn_period_ms = target[0][0], target[0][1]
         row.gpu_idle = report.to_json()
 
 

@@ -49,6 +49,10 @@ class Row:
     sol_fraction: float | None = None  # (1 / tpot_p50) / (accept_length / t_verify_min)
     idle_per_device: list[float] = field(default_factory=list)  # GPU idle fraction, by device
     gpu_idle: dict[str, Any] | None = None  # the profiled round's tandem.bench.idle report
+    # Where target and draft take turns on one GPU (the profiled round): the target's turn,
+    # its verify step as the GPU ran it, and the period between its starts, the true cycle.
+    verify_turn_ms: float | None = None
+    turn_period_ms: float | None = None
     note: str = ""
 
     def finish(self, t_verify_min_s: float | None) -> Row:
@@ -94,7 +98,11 @@ _COLUMNS: list[tuple[str, str, int]] = [  # (field, header, width)
     ("sol_fraction", "SOL", 5),
     ("note", "note", 0),
 ]
-_IDLE_COLUMN = ("idle_per_device", "GPU idle", 9)  # only in a run with --profile-idle
+_IDLE_COLUMNS = [  # only in a run with --profile-idle
+    ("idle_per_device", "GPU idle", 9),
+    ("verify_turn_ms", "v_turn", 7),
+    ("turn_period_ms", "period", 7),
+]
 
 
 def _cell(value: Any, width: int) -> str:
@@ -118,7 +126,7 @@ def table(rows: list[Row], header: dict[str, Any]) -> str:
     columns = _COLUMNS
     profiled = any(r.idle_per_device for r in rows)
     if profiled:
-        columns = [*_COLUMNS[:-1], _IDLE_COLUMN, _COLUMNS[-1]]
+        columns = [*_COLUMNS[:-1], *_IDLE_COLUMNS, _COLUMNS[-1]]
     lines.append(" ".join(_cell(h, w) if w else h for _, h, w in columns))
     for row in rows:
         values = asdict(row)
@@ -126,7 +134,9 @@ def table(rows: list[Row], header: dict[str, Any]) -> str:
     lines.append("times in ms; acc/pos = accepted / drafted per draft position; see docs")
     if profiled:
         lines.append(
-            "GPU idle = idle fraction of each GPU over a profiled round (tandem.bench.idle)"
+            "GPU idle = idle fraction of each GPU over a profiled round (tandem.bench.idle); "
+            "v_turn, period = the target's turn on a GPU it shares with the draft, and the "
+            "period between its starts"
         )
     lines.append("=" * 72)
     return "\n".join(lines)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,22 @@ def test_two_processes_two_devices() -> None:
     assert gpu1.busy_by_process["target-1"] == 0.0
     text = idle.format_report(report)
     assert "gpu0 GPU: idle 33.3%" in text and "target-1 55.6%" in text
+
+
+def test_turns_of_two_processes_sharing_a_device() -> None:
+    """A device-chain run on one GPU: the target's verify, then the draft's half, in turns;
+    kernels of one turn merge (a gap inside a turn stays in it), the period is start to start."""
+    target = _profile("target-1", (0, 100), gpu=[(0, 30), (32, 40), (50, 90)])
+    draft = _profile("draft-2", (0, 100), gpu=[(42, 45), (46, 48), (92, 95)])
+    (gpu,) = idle.analyse([target, draft]).devices
+    assert gpu.turns["target-1"] == [40 / 1e6, 50 / 1e6, 2.0]  # [0, 40) and [50, 90)
+    assert gpu.turns["draft-2"] == [4.5 / 1e6, 50 / 1e6, 2.0]  # [42, 48) and [92, 95)
+    assert "turns (median ms, period ms, count)" in idle.format_report(
+        idle.analyse([target, draft])
+    )
+    # One process alone, or one turn each: no turns.
+    assert idle.turns({"target-1": [(0, 30), (50, 90)]}, (0, 100)) == {}
+    assert idle.turns({"a-1": [(0, 10)], "b-2": [(20, 30)]}, (0, 100)) == {}
 
 
 def test_long_gaps() -> None:
@@ -410,3 +427,5 @@ def test_idle_column_only_when_profiled() -> None:
     row = Row(mode="services-control", batch_size=1, idle_per_device=[0.08, 0.5])
     text = table([row], {})
     assert "GPU idle" in text and "0.08/0.50" in text
+    turned = replace(row, verify_turn_ms=5.98, turn_period_ms=7.36)
+    assert "v_turn" in text and "5.98" in table([turned], {}) and "7.36" in table([turned], {})
