@@ -40,6 +40,7 @@ from kernels.reference_fused import (
     rope_ref,
     silu_mul_ref,
 )
+from kernels.reference_paged import paged_inputs_ref
 
 _Triple = tuple[Tensor, Tensor, Tensor]
 _Pair = tuple[Tensor, Tensor]
@@ -64,6 +65,7 @@ class Ops:
     rope: Callable[[Tensor, Tensor, Tensor, Tensor], _Pair]  # rope_ref
     silu_mul: Callable[[Tensor], Tensor]  # silu_mul_ref
     linear: Callable[..., Tensor]  # linear_ref
+    paged_inputs: Callable[..., None]  # paged_inputs_ref
 
 
 REFERENCE = Ops(
@@ -82,6 +84,7 @@ REFERENCE = Ops(
     rope=rope_ref,
     silu_mul=silu_mul_ref,
     linear=linear_ref,
+    paged_inputs=paged_inputs_ref,
 )
 
 
@@ -95,6 +98,7 @@ def triton_ops() -> Ops:
     """The Triton kernels (imports triton and defines the kernels on the first call)."""
     from kernels.fused import add_rms_norm, rms_norm, rope, silu_mul
     from kernels.kv import compact_accepted, store_kv
+    from kernels.paged import paged_inputs
     from kernels.sample import sample
     from kernels.skinny import linear
     from kernels.top1 import top1, topk
@@ -116,6 +120,7 @@ def triton_ops() -> Ops:
         rope=rope,
         silu_mul=silu_mul,
         linear=linear,
+        paged_inputs=paged_inputs,
     )
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from tandem.graph_buffers import WORD_BITS, Bucket, capture_graph, mask_words
 from tandem.spec.draft_plan import PAD_BASE, Staged, chain_schedule
 from tandem.spec.drafter import ModelDrafter
@@ -66,7 +67,6 @@ class DraftChain:
         self.request_ids: list[str] = []
         self._bucket = Bucket(1, self.width)
         self._pages: list[int] = []  # per row: pages written into the buckets' tables
-        self._j = torch.arange(self.width, device=self.device)
         self._chain_words = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.outcome: Outcome | None = None
         self.chains: Chains | None = None
@@ -180,34 +180,32 @@ class DraftChain:
         Reads and writes only the buckets' buffers, ``Outcome`` and ``Chains``."""
         assert self.outcome is not None and self.chains is not None
         out, graphs, bucket = self.outcome, self.graphs, self._bucket
-        bs, w, j = bucket.batch_size, self.width, self._j
+        bs, w = bucket.batch_size, self.width
         page_size = self.alloc.page_size
         extend = graphs.extends[bucket]
         buf = extend.modules[0]
         meta = buf.backend.graph_meta
-        first = out.base + 1 - self.shift  # the first new pair's position and KV index
-        position = first[:, None] + j
-        pairs = (j <= out.accepted[:, None]) & out.alive[:, None]
+        paged_inputs = kernels.ops(self.device).paged_inputs
+        # The extend: pair k at base + 1 - shift + k, the first accepted + 1 of a row kept.
         buf.input_ids.copy_(out.new.view(-1))
-        buf.positions.copy_(position.view(-1))
-        meta.slot_mapping.copy_(slots(meta.page_table, position, page_size, pairs).view(-1))
-        meta.seq_lens.copy_((first + out.accepted + 1) * out.alive)
-        meta.prefix_lens.copy_(first * out.alive)
-        meta.tree_mask.copy_(self._chain_words * pairs.view(-1, 1))
+        paged_inputs(
+            out.base, out.accepted, out.alive, meta.page_table, meta.slot_mapping,
+            meta.seq_lens, meta.prefix_lens, buf.positions, self._chain_words, meta.tree_mask,
+            page_size=page_size, shift=1 - self.shift, count_accepted=True,
+        )  # fmt: skip
         buf.last_rows.copy_(torch.arange(bs, device=self.device) * w + out.accepted)
         graphs.forward_static(extend)
         loop = graphs.loops[bucket]
         base = out.base + out.accepted + 1
         loop.base.copy_(torch.where(out.alive, base, PAD_BASE))
-        committed = base + 1 - self.shift  # pairs in the KV before the scratch
+        # Each loop step's scratch past the committed pairs (base + 1 - shift of them).
         for t, step in enumerate(self.schedule.steps):
             meta = loop.backends[t].graph_meta
-            width = len(step.depths)
-            scratch = committed[:, None] + step.prev + j[:width]
-            keep = out.alive[:, None].expand(bs, width)
-            meta.slot_mapping.copy_(slots(meta.page_table, scratch, page_size, keep).view(-1))
-            meta.seq_lens.copy_((committed + step.prev + width) * out.alive)
-            meta.prefix_lens.copy_(committed * out.alive)
+            paged_inputs(
+                out.base, out.accepted, out.alive, meta.page_table, meta.slot_mapping,
+                meta.seq_lens, meta.prefix_lens, page_size=page_size,
+                shift=2 - self.shift, offset=step.prev, prefix_accepted=True,
+            )  # fmt: skip
         graphs.last_in[0][:bs].copy_(graphs.last_out[0][:bs])
         graphs.forward_static(loop)
         result = loop.result[:, :bs]
@@ -271,14 +269,3 @@ def grow_tables(tables: Sequence[torch.Tensor], row: int, pages: list[int], writ
     for table in tables:
         table[row, written : len(pages)].copy_(new, non_blocking=on_cuda)
     return len(pages)
-
-
-def slots(
-    table: torch.Tensor,  # [bs, max_pages] int32: each row's pages in logical order
-    index: torch.Tensor,  # [bs, w] int64 logical KV indices
-    page_size: int,
-    keep: torch.Tensor,  # [bs, w] bool: rows whose KV is stored
-) -> torch.Tensor:
-    """Physical slots of ``index`` through the page table; -1 (store nothing) where not kept."""
-    page = table.gather(1, (index // page_size).clamp(0, table.shape[1] - 1)).long()
-    return torch.where(keep, page * page_size + index % page_size, -1)

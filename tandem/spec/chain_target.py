@@ -28,7 +28,7 @@ from tandem.graph_buffers import Bucket, capture_graph
 from tandem.graphs import TargetGraphRunner
 from tandem.kv import KVCache
 from tandem.request import Request
-from tandem.spec.chain_draft import Chains, Outcome, grow_tables, share_on_cpu, slots
+from tandem.spec.chain_draft import Chains, Outcome, grow_tables, share_on_cpu
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import Tree, valid_depth
 
@@ -201,13 +201,18 @@ class TargetChain:
         bs, j, alive, base = bucket.batch_size, self._j, static.alive, static.base
         entry = self.target.buffers(bucket)
         meta = entry.backend.graph_meta
-        index = base[:, None] + j
         entry.input_ids.copy_(static.chains.tokens.view(-1))
-        entry.positions.copy_(index.view(-1))
-        keep = alive[:, None].expand(bs, w)
-        meta.slot_mapping.copy_(slots(meta.page_table, index, self.alloc.page_size, keep).view(-1))
-        meta.seq_lens.copy_((base + w) * alive)
-        meta.prefix_lens.copy_(base * alive)
+        kernels.ops(self.device).paged_inputs(
+            base,
+            None,
+            alive,
+            meta.page_table,
+            meta.slot_mapping,
+            meta.seq_lens,
+            meta.prefix_lens,
+            entry.positions,
+            page_size=self.alloc.page_size,
+        )  # node i of a chain at base + i: no KV moves
         self.target.forward_static(bucket)
         logits = self.target.logits[: bs * w]
         ids, logprobs, _ = kernels.ops(self.device).top1(logits)
