@@ -80,6 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=graphs,
         help="draft chains and extends through CUDA graphs (default: on for CUDA devices)",
     )
+    transposed = None  # unset: on for CUDA devices
+    if env_default("TANDEM_DRAFT_TRANSPOSED_WEIGHTS", None) is not None:
+        transposed = env_default("TANDEM_DRAFT_TRANSPOSED_WEIGHTS", True)
+    p.add_argument(
+        "--transposed-weights",
+        action=argparse.BooleanOptionalAction,
+        default=transposed,
+        help="store the draft's projection weights transposed, the faster GEMM layout for "
+        "decoding on Hopper (default: on for CUDA devices)",
+    )
     p.add_argument("--host", default=env_default("TANDEM_DRAFT_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=env_default("TANDEM_DRAFT_PORT", 0))
     p.add_argument(
@@ -130,6 +140,7 @@ def parse_config(argv: Sequence[str] | None = None) -> DraftServiceConfig:
                 page_size=args.page_size,
                 num_pages=args.num_pages,
                 cuda_graphs=args.cuda_graphs,
+                transposed_weights=args.transposed_weights,
             ),
             host=args.host,
             port=args.port,

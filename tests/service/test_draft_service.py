@@ -498,6 +498,11 @@ def test_env_defaults_and_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
         parse_config(["--cuda-graphs"])  # CUDA graphs on a CPU device
     monkeypatch.setenv("TANDEM_DRAFT_CUDA_GRAPHS", "off")
     assert parse_config(["--device", "cuda"]).draft.cuda_graphs is False
+    assert parse_config([]).draft.transposed_weights is None  # on for CUDA devices
+    assert parse_config(["--device", "cuda"]).draft.use_transposed_weights
+    assert parse_config(["--transposed-weights"]).draft.use_transposed_weights  # CPU, asked
+    monkeypatch.setenv("TANDEM_DRAFT_TRANSPOSED_WEIGHTS", "off")
+    assert not parse_config(["--device", "cuda"]).draft.use_transposed_weights
     assert serving.parse_address("[::1]:50051") == ("::1", 50051)
     assert serving.format_address("::1", 50051) == "[::1]:50051"
     with pytest.raises(ValueError, match="HOST:PORT"):
