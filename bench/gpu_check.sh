@@ -6,8 +6,9 @@
 #   bash bench/gpu_check.sh [SECTION ...]     sections: gpu compiled kernels profile parity chain cpu
 #                                             (default: gpu compiled kernels)
 #
-# One call may run 600 s: `gpu` alone takes about 450 s on an H100 (every test process compiles
-# its attention variants), so run `gpu` and `compiled kernels` in separate calls.
+# One call may run 600 s: `gpu` alone took 542 s on an H100 (88 tests; every test process compiles
+# its attention variants; close to the limit: split it by directory when it grows), so run
+# `gpu` and `compiled kernels` in separate calls.
 #
 # Wheels the image lacks travel in .whl/ (bench/device_wheels.sh makes it; carry ".whl").
 set -uo pipefail

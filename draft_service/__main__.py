@@ -71,24 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=env_default("TANDEM_DRAFT_DTYPE", "float32")
     )
-    graphs = None  # unset: on for CUDA devices
-    if env_default("TANDEM_DRAFT_CUDA_GRAPHS", None) is not None:
-        graphs = env_default("TANDEM_DRAFT_CUDA_GRAPHS", True)
-    p.add_argument(
+    _cuda_flag(
+        p,
         "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=graphs,
-        help="draft chains and extends through CUDA graphs (default: on for CUDA devices)",
+        "TANDEM_DRAFT_CUDA_GRAPHS",
+        "draft chains and extends through CUDA graphs",
     )
-    transposed = None  # unset: on for CUDA devices
-    if env_default("TANDEM_DRAFT_TRANSPOSED_WEIGHTS", None) is not None:
-        transposed = env_default("TANDEM_DRAFT_TRANSPOSED_WEIGHTS", True)
-    p.add_argument(
+    _cuda_flag(
+        p,
         "--transposed-weights",
-        action=argparse.BooleanOptionalAction,
-        default=transposed,
-        help="store the draft's projection weights transposed, the faster GEMM layout for "
-        "decoding on Hopper (default: on for CUDA devices)",
+        "TANDEM_DRAFT_TRANSPOSED_WEIGHTS",
+        "store the draft's projection weights transposed, the faster GEMM layout for decoding "
+        "on Hopper",
     )
     p.add_argument("--host", default=env_default("TANDEM_DRAFT_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=env_default("TANDEM_DRAFT_PORT", 0))
@@ -121,6 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
     telemetry.add_metrics_argument(p, env_default("TANDEM_DRAFT_METRICS_PORT", None))
     security.add_server_tls_arguments(p, "TANDEM_DRAFT_")
     return p
+
+
+def _cuda_flag(p: argparse.ArgumentParser, flag: str, env_name: str, help_text: str) -> None:
+    """A --flag/--no-flag that is on for CUDA devices when neither it nor ``env_name`` is set
+    (its value is then None)."""
+    default = None
+    if env_default(env_name, None) is not None:
+        default = env_default(env_name, True)
+    p.add_argument(
+        flag,
+        action=argparse.BooleanOptionalAction,
+        default=default,
+        help=f"{help_text} (default: on for CUDA devices)",
+    )
 
 
 def parse_config(argv: Sequence[str] | None = None) -> DraftServiceConfig:
