@@ -11,6 +11,11 @@ SPEC_POLICIES = ("fixed", "adaptive", "k0")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def on_for_cuda(choice: bool | None, device: str) -> bool:
+    """A setting whose unset value (None) means on for CUDA devices, off elsewhere."""
+    return device.startswith("cuda") if choice is None else choice
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How one engine loads its model and sizes its batch and KV pool."""
@@ -73,15 +78,11 @@ class EngineConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        if self.cuda_graphs is None:
-            return self.device.startswith("cuda")
-        return self.cuda_graphs
+        return on_for_cuda(self.cuda_graphs, self.device)
 
     @property
     def use_transposed_weights(self) -> bool:
-        if self.transposed_weights is None:
-            return self.device.startswith("cuda")
-        return self.transposed_weights
+        return on_for_cuda(self.transposed_weights, self.device)
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.config import DTYPES
+from tandem.config import DTYPES, on_for_cuda
 from tandem.kv import KVCache, KVCacheSpec
 from tandem.models.decoder import transpose_weights
 from tandem.models.draft import DraftModule
@@ -73,9 +73,7 @@ class DraftConfig:
 
     @property
     def use_transposed_weights(self) -> bool:
-        if self.transposed_weights is None:
-            return self.device.startswith("cuda")
-        return self.transposed_weights
+        return on_for_cuda(self.transposed_weights, self.device)
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -202,20 +202,14 @@ class TargetChain:
         entry = self.target.buffers(bucket)
         meta = entry.backend.graph_meta
         entry.input_ids.copy_(static.chains.tokens.view(-1))
-        kernels.ops(self.device).paged_inputs(
-            base,
-            None,
-            alive,
-            meta.page_table,
-            meta.slot_mapping,
-            meta.seq_lens,
-            meta.prefix_lens,
-            entry.positions,
-            page_size=self.alloc.page_size,
-        )  # node i of a chain at base + i: no KV moves
+        ops = kernels.ops(self.device)
+        ops.paged_inputs(  # node i of a chain at base + i: no KV moves
+            base, None, alive, meta.page_table, meta.slot_mapping, meta.seq_lens,
+            meta.prefix_lens, entry.positions, page_size=self.alloc.page_size,
+        )  # fmt: skip
         self.target.forward_static(bucket)
         logits = self.target.logits[: bs * w]
-        ids, logprobs, _ = kernels.ops(self.device).top1(logits)
+        ids, logprobs, _ = ops.top1(logits)
         choice = ids.view(bs, w)
         drafts = static.chains.tokens[:, 1:]
         valid = static.chains.valid
