@@ -3,12 +3,15 @@
 # GPU image's versions (torch 2.11, transformers 5.17, grpcio 1.84). Prints a short table; full
 # logs go to $OUT. Usage on the device machine, from the repo root:
 #
-#   bash bench/gpu_check.sh [SECTION ...]     sections: gpu compiled kernels profile parity chain cpu
+#   bash bench/gpu_check.sh [SECTION ...]     sections: gpu gpu-low gpu-spec gpu-e2e compiled
+#                                             kernels profile parity invariant chain cpu
 #                                             (default: gpu compiled kernels)
 #
-# One call may run 600 s: `gpu` alone took 542 s on an H100 (88 tests; every test process compiles
-# its attention variants; close to the limit: split it by directory when it grows), so run
-# `gpu` and `compiled kernels` in separate calls.
+# One call may run 600 s: `gpu` (every GPU test) took 542 s on an H100 with 88 tests and no
+# longer fits a fresh machine, so it is split: `gpu-low` (tests/kernels, tests/unit,
+# tests/service, tests/train: 255 s for 61 tests), `gpu-spec` (tests/spec, 28 tests) and
+# `gpu-e2e` (tests/e2e: 240 s for 3), a call each (gpu-spec and gpu-e2e together ran past
+# 480 s); run `compiled kernels` in a call of its own too.
 #
 # Wheels the image lacks travel in .whl/ (bench/device_wheels.sh makes it; carry ".whl").
 set -uo pipefail
@@ -37,13 +40,17 @@ rows=()
 row() { rows+=("$(printf '%-44s %-8s %s' "$1" "$(status "$2")" "$(tail -n 1 "$3")")"); }
 rc_all=0
 
-if want gpu; then
-  # GPU tests (kernels vs references on CUDA, model parity, spec parity through the kernels).
-  # tests/deploy needs cryptography (not on the image) and holds no GPU test.
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/deploy \
-    > "$OUT/gpu_tests.log" 2>&1
-  rc=$?; row "GPU tests (-m gpu)" $rc "$OUT/gpu_tests.log"; rc_all=$((rc_all | rc))
-fi
+# GPU tests (kernels vs references on CUDA, model parity, spec parity through the kernels).
+# tests/deploy needs cryptography (not on the image) and holds no GPU test.
+gpu_tests() {  # name, directories
+  local name=$1; shift
+  python3 -m pytest -q -p no:cacheprovider -m gpu "$@" > "$OUT/$name.log" 2>&1
+  rc=$?; row "GPU tests (-m gpu $*)" $rc "$OUT/$name.log"; rc_all=$((rc_all | rc))
+}
+want gpu && gpu_tests gpu_tests tests --ignore=tests/deploy
+want gpu-low && gpu_tests gpu_tests_low tests/kernels tests/unit tests/service tests/train
+want gpu-spec && gpu_tests gpu_tests_spec tests/spec
+want gpu-e2e && gpu_tests gpu_tests_e2e tests/e2e
 if want compiled; then
   # The small kernel comparisons compiled on CUDA instead of interpreted.
   python3 -m pytest -q -p no:cacheprovider tests/kernels > "$OUT/kernels_compiled.log" 2>&1
@@ -76,6 +83,20 @@ if want parity; then
     > "$OUT/parity.txt" 2>&1
   rc=$?; row "bench/gpu_parity.py" $rc "$OUT/parity.txt"; rc_all=$((rc_all | rc))
 fi
+if want invariant; then
+  # Batch-invariant kernels (EngineConfig.batch_invariant): their GPU tests (rows and tokens
+  # bit-identical in any batch, bf16 speculation equal to target-only on random weights), then
+  # the parity run with the target's --batch-invariant on both sides.
+  python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+    tests/kernels/test_batch_invariant.py \
+    tests/spec/test_cuda_spec.py::test_bf16_speculation_is_bit_equal_under_batch_invariant_kernels \
+    > "$OUT/invariant_tests.log" 2>&1
+  rc=$?; row "batch-invariant GPU tests" $rc "$OUT/invariant_tests.log"; rc_all=$((rc_all | rc))
+  python3 bench/gpu_parity.py --batch-invariant --log-dir "$OUT/parity-invariant-logs" \
+    --json "$OUT/parity_invariant.json" > "$OUT/parity_invariant.txt" 2>&1
+  rc=$?; row "bench/gpu_parity.py --batch-invariant" $rc "$OUT/parity_invariant.txt"
+  rc_all=$((rc_all | rc))
+fi
 if want chain; then
   # Device-chain halves in two processes on one GPU (docs/device-cycle.md): cycle, idle, SOL.
   python3 bench/chain_ipc.py --cycles 300 > "$OUT/chain_ipc.txt" 2>&1
@@ -92,7 +113,8 @@ fi
 printf '%-44s %-8s %s\n' "check" "result" "summary"
 printf '%s\n' "${rows[@]}"
 for f in "$OUT"/kernels_bench.txt "$OUT"/attention_bench.txt "$OUT"/fused_bench.txt \
-         "$OUT"/profile_bs*.txt "$OUT"/parity.txt "$OUT"/chain_ipc.txt; do
+         "$OUT"/profile_bs*.txt "$OUT"/parity.txt "$OUT"/parity_invariant.txt \
+         "$OUT"/chain_ipc.txt; do
   [ -f "$f" ] && { echo; echo "== $(basename "$f")"; cat "$f"; }
 done
 exit $rc_all

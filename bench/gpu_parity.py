@@ -10,10 +10,12 @@ top-2 margin there (bf16 non-associativity flips only near-ties), plus the servi
 length.
 
     python bench/gpu_parity.py [--dtypes float32,bfloat16] [--prompts 64] [--new-tokens 128]
-                               [--device-chain]
+                               [--device-chain] [--batch-invariant]
 
 ``--device-chain``: the target runs steady chains as device-chain runs with the draft on its
-local socket (one lane: the gateway's ``--two-lane-batch 0``).
+local socket (one lane: the gateway's ``--two-lane-batch 0``). ``--batch-invariant``: both
+sides run the target's batch-invariant kernels (``EngineConfig.batch_invariant``, the target's
+``--batch-invariant``), under which bf16 outputs should be identical too.
 """
 
 from __future__ import annotations
@@ -42,9 +44,20 @@ from tandem.v1 import common_pb2, gateway_pb2_grpc
 
 
 def target_only(
-    target: Path, prompts: list[list[int]], n: int, dtype: str, device: str
+    target: Path,
+    prompts: list[list[int]],
+    n: int,
+    dtype: str,
+    device: str,
+    batch_invariant: bool = False,
 ) -> list[list[int]]:
-    config = EngineConfig(model=target, dtype=dtype, device=device, max_num_seqs=len(prompts))
+    config = EngineConfig(
+        model=target,
+        dtype=dtype,
+        device=device,
+        max_num_seqs=len(prompts),
+        batch_invariant=batch_invariant,
+    )
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
     return [r.token_ids for r in Engine(config).generate(prompts, params)]
 
@@ -69,6 +82,7 @@ def through_services(
     device: str,
     log_dir: Path,
     device_chain: bool = False,
+    batch_invariant: bool = False,
 ) -> tuple[list[list[int]], float]:
     ports = free_port(), free_port(), free_port()
     stack = build_stack(
@@ -90,6 +104,7 @@ def through_services(
             *("--max-num-seqs", str(len(prompts))),
             # Each run's start and end in the target's log (DEBUG).
             *(["--device-chain", "--log-level", "DEBUG"] if device_chain else []),
+            *(["--batch-invariant"] if batch_invariant else []),
         ],
     )
     stack.start(log_dir=log_dir)
@@ -128,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device-chain", action="store_true")
+    p.add_argument("--batch-invariant", action="store_true")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -138,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="tandem-parity-"))
     report = {}
     for dtype in args.dtypes.split(","):
-        ours = target_only(family / "target", prompts, args.new_tokens, dtype, args.device)
+        ours = target_only(
+            family / "target", prompts, args.new_tokens, dtype, args.device, args.batch_invariant
+        )
         spec, accept = through_services(
             family,
             prompts,
@@ -147,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             args.device,
             log_root / dtype,
             args.device_chain,
+            args.batch_invariant,
         )
         same = [i for i, (a, b) in enumerate(zip(ours, spec, strict=True)) if a == b]
         entry: dict[str, Any] = {

@@ -310,11 +310,19 @@ def tree_attention(
     max_q_len: int,
     num_splits: int = 1,
     out: Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    batch_invariant: bool = False,
 ) -> Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of each query token over its request's paged KV; the new tokens' K/V must
     already be in the cache. Visibility is documented in `kernels/reference_attention.py`.
     `max_q_len` must bound every request's query count and `num_splits` (>= 1) sets the
     split-KV count; both size the grid, so they are the static bounds of a captured launch.
+
+    ``batch_invariant`` (with one split): the query tile of a one-token query whatever
+    `max_q_len` is, so a token's output is bit-identical whether it is decoded alone, verified
+    among a tree's tokens (at the KV index its decode would have) or prefilled: its keys are
+    walked in the same key tiles from index 0, with the same tile shapes, and keys it may not
+    see add exact zeros. Without it the tile grows with `max_q_len` and the split count
+    follows the batch, and the sums' order with them.
     Shapes, dtypes and strides are checked here; lengths and slots are not (that would read
     the device): `tree_attention_ref` checks those."""
     _check(q.ndim == 3 and k_cache.ndim == 3, "q, k_cache: expected 3-D tensors")
@@ -350,6 +358,7 @@ def tree_attention(
     _check(page_size >= 1, f"page_size: must be >= 1, got {page_size}")
     _check(max_q_len >= 1, f"max_q_len: must be >= 1, got {max_q_len}")
     _check(num_splits >= 1, f"num_splits: must be >= 1, got {num_splits}")
+    _check(not batch_invariant or num_splits == 1, "batch_invariant: needs num_splits == 1")
     if out is None:
         out = torch.empty_like(q)
     _check(out.shape == q.shape and out.dtype == q.dtype, "out: expected q's shape and dtype")
@@ -358,7 +367,7 @@ def tree_attention(
         return out
 
     group = num_heads // num_kv_heads
-    blocks = _blocks(max_q_len, group, head_dim, q.element_size())
+    blocks = _blocks(1 if batch_invariant else max_q_len, group, head_dim, q.element_size())
     num_q_tiles = triton.cdiv(max_q_len, blocks.q)
     split = num_splits > 1
     part_o = part_lse = out  # placeholders: never touched without SPLIT

@@ -108,12 +108,15 @@ def tree_attention_ref(
     max_q_len: int,
     num_splits: int = 1,
     out: Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    batch_invariant: bool = False,
 ) -> Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of each query token over its request's paged KV (module docstring).
-    `max_q_len` bounds every request's query count; `num_splits` only shapes the kernel's
-    work and is checked, not used."""
+    `max_q_len` bounds every request's query count; `num_splits` and `batch_invariant` only
+    shape the kernel's work and are checked, not used."""
     if num_splits < 1:
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
+    if batch_invariant and num_splits != 1:
+        raise ValueError("batch_invariant: needs num_splits == 1")
     if page_size < 1:
         raise ValueError(f"page_size: must be >= 1, got {page_size}")
     num_tokens = q.shape[0]

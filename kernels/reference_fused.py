@@ -59,8 +59,12 @@ def rope_ref(
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear``: what every projection computes off the GPU."""
+def linear_ref(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, *, batch_invariant: bool = False
+) -> Tensor:
+    """``F.linear``: what every projection computes off the GPU. ``batch_invariant`` is the
+    kernel's (`kernels.skinny.linear`); torch's CPU GEMMs do not promise it."""
+    del batch_invariant
     return F.linear(x, weight, bias)
 
 

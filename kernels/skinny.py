@@ -1,6 +1,7 @@
 """`linear`: ``F.linear(x, weight, bias)`` with the rows of small decode batches (at most
-``MAX_ROWS``, bf16/fp16) through `skinny_linear`, the rest through cuBLAS. Torch twin:
-`linear_ref` (``F.linear``).
+``MAX_ROWS``, bf16/fp16) through `skinny_linear`, the rest through cuBLAS; with
+``batch_invariant``, every CUDA batch through `skinny_linear` (below). Torch twin: `linear_ref`
+(``F.linear``).
 
 `skinny_linear`: ``x @ weight.T`` for a few rows of ``x`` (decode: one row per request), one
 memory-bound pass over the weight with fp32 accumulation and one rounding to the output dtype,
@@ -8,11 +9,19 @@ and no split-K reduction kernel. On an H100 at one row (bench/skinny_sweep.py, 8
 per call against cuBLAS): qkv 19.4 / 21.4, o_proj 13.8 / 14.1, gate_up 78.2 / 79.4, down
 40.9 / 42.3. A row's result does not depend on the other rows (up to ``MAX_ROWS``).
 
-Grid (output column tiles, row tiles of 16). Each program streams its ``BLOCK_N`` weight
-columns through ``BLOCK_K`` steps and multiplies with ``tl.dot`` (rows padded to 16: the
-tensor cores idle, the weight reads bound the time). The weight may be stored either way
-(``[out, in]`` row-major, or the transpose of a row-major ``[in, out]``,
+Grid (row tiles of 16, output column tiles): past 16 rows, the row tiles of one column tile
+launch side by side and share its weight reads through L2. Each program streams its
+``BLOCK_N`` weight columns through ``BLOCK_K`` steps and multiplies with ``tl.dot`` (rows
+padded to 16: the tensor cores idle, the weight reads bound the time). The weight may be
+stored either way (``[out, in]`` row-major, or the transpose of a row-major ``[in, out]``,
 ``DecoderLM.use_transposed_weights``): loads follow its strides.
+
+Batch invariance: a row's sums run in one order (``BLOCK_K`` steps of one ``tl.dot`` shape,
+tiles chosen from the weight's shape alone), whatever the other rows are and however many, so
+a row's output is bit-identical at any batch size. cuBLAS picks other tiles and split-K for
+other row counts, so a token verified among S+1 rows and decoded alone can differ in the last
+bits. ``linear(..., batch_invariant=True)`` therefore sends every batch here (prefill too, at
+tensor-core tiles of 16 rows: the price of the mode; EngineConfig.batch_invariant).
 """
 
 from __future__ import annotations
@@ -31,9 +40,17 @@ BLOCK_M = 16
 MAX_ROWS = BLOCK_M  # more rows read the weight once per 16: cuBLAS from there
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, *, batch_invariant: bool = False
+) -> Tensor:
     """``F.linear`` (`linear_ref`); 2-D bf16/fp16 inputs of at most ``MAX_ROWS`` rows run
-    `skinny_linear` with tiles chosen for the weight's shape."""
+    `skinny_linear` with tiles chosen for the weight's shape. With ``batch_invariant``, every
+    2-D CUDA input of one float dtype with its weight (any rows, any weight layout) does."""
+    if batch_invariant and _invariant_path(x, weight):
+        config = _config(weight.shape[0])
+        if x.dtype == torch.float32:  # twice the bytes a stage: fewer stages fit shared memory
+            config["num_stages"] = 2
+        return skinny_linear(x, weight, bias, **config)
     if x.dim() != 2 or x.dtype not in _SKINNY_DTYPES or not 0 < x.shape[0] <= MAX_ROWS:
         return F.linear(x, weight, bias)
     if weight.dtype != x.dtype or not x.is_cuda or weight.stride(0) != 1:
@@ -41,6 +58,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         # layout the tiles were measured on.
         return F.linear(x, weight, bias)
     return skinny_linear(x, weight, bias, **_config(weight.shape[0]))
+
+
+def _invariant_path(x: Tensor, weight: Tensor) -> bool:
+    return x.dim() == 2 and x.is_cuda and x.dtype in _DTYPES and weight.dtype == x.dtype
 
 
 def _config(n: int) -> dict[str, int]:
@@ -69,8 +90,8 @@ def _skinny_kernel(  # type: ignore[no-untyped-def]  # ints unannotated: special
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ) -> None:
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     inner = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
@@ -129,7 +150,7 @@ def skinny_linear(
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(num_rows, n))
-    grid = (cdiv(n, block_n), cdiv(num_rows, BLOCK_M))
+    grid = (cdiv(num_rows, BLOCK_M), cdiv(n, block_n))
     _skinny_kernel[grid](
         x, weight, weight if bias is None else bias, y, num_rows, n, k,
         x.stride(0), weight.stride(0), weight.stride(1),

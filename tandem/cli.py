@@ -124,6 +124,14 @@ def generate(
             "read, its inputs written on the GPU (needs CUDA graphs and a one-module draft)."
         ),
     ] = False,
+    batch_invariant: Annotated[
+        bool,
+        typer.Option(
+            help="Batch-invariant target kernels (CUDA): a token's logits do not depend on "
+            "its batch, so greedy speculation equals target-only in bf16 too (slower at large "
+            "batches and in prefill)."
+        ),
+    ] = False,
     draft_kind: Annotated[
         str | None,
         typer.Option(help="eagle3, eagle, mtp, model or ngram (ngram needs no --draft)."),
@@ -206,6 +214,7 @@ def generate(
             spec_policy=spec_policy,
             overlap=overlap,
             device_chain=device_chain,
+            batch_invariant=batch_invariant,
         )
         drafter = spec = None
         if draft is not None or draft_kind is not None:

@@ -51,6 +51,12 @@ class EngineConfig:
     # The target's projection weights stored transposed (DecoderLM.use_transposed_weights):
     # cuBLAS's faster layout for decode-sized GEMMs; None = on for CUDA devices.
     transposed_weights: bool | None = None
+    # Batch-invariant target kernels (CUDA): every projection, the lm_head and attention run
+    # tiles whose per-row sums do not depend on the batch (kernels.skinny, tree_attention's
+    # batch_invariant), so a token's logits are bit-identical decoded alone or verified among
+    # S+1 tokens in any batch: greedy speculation then equals target-only decoding in bf16 too.
+    # Costs speed where cuBLAS or KV splits were faster (large batches, prefill).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -68,6 +74,9 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs: needs a CUDA device, not {self.device!r}")
+        if self.batch_invariant and not self.device.startswith("cuda"):
+            # The CPU runs torch's references, whose GEMMs promise no such thing.
+            raise ValueError(f"batch_invariant: needs a CUDA device, not {self.device!r}")
         sizes = self.cuda_graph_batch_sizes
         if not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes)):
             raise ValueError("cuda_graph_batch_sizes: need increasing sizes >= 1")

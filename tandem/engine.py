@@ -82,6 +82,8 @@ class Engine(AheadSteps, ChainSteps):
             model = load_model(config.model, dtype=config.torch_dtype, device=config.device)
         if config.use_transposed_weights:
             model.use_transposed_weights()
+        if config.batch_invariant:
+            model.use_batch_invariant()
         self.model = model
         self.drafter = drafter
         self.spec = spec
@@ -104,7 +106,7 @@ class Engine(AheadSteps, ChainSteps):
             config.page_size,
             kv_spec.bytes_per_page * (self.kv.allocator.num_pages + 1) / 2**20,
         )
-        self.runner = ModelRunner(model, self.kv)
+        self.runner = ModelRunner(model, self.kv, batch_invariant=config.batch_invariant)
         if config.use_cuda_graphs:
             self.runner.enable_graphs(
                 batch_sizes=config.graph_batch_sizes,

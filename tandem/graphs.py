@@ -391,7 +391,7 @@ class TargetGraphRunner:
         return _Entry(
             bucket=bucket,
             layout=layout,
-            backend=GraphAttention(meta),
+            backend=GraphAttention(meta, batch_invariant=self.attention.batch_invariant),
             input_ids=view("input_ids"),
             positions=view("positions"),
             rows=view("rows"),

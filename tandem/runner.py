@@ -48,11 +48,11 @@ class ModelOutputs:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, kv: KVCache) -> None:
+    def __init__(self, model: DecoderLM, kv: KVCache, *, batch_invariant: bool = False) -> None:
         self.model = model
         self.kv = kv
         self.device = kv.spec.device
-        self.backend = backend_for(self.device)
+        self.backend = backend_for(self.device, batch_invariant=batch_invariant)
         self.graphs: TargetGraphRunner | None = None
 
     def enable_graphs(

@@ -132,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="store the target's projection weights transposed, the faster GEMM layout for "
         "decoding on Hopper (default: on for CUDA devices)",
     )
+    p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=env("TANDEM_TARGET_BATCH_INVARIANT", False),
+        help="batch-invariant kernels (CUDA): a token's logits do not depend on its batch, so "
+        "greedy speculation equals target-only decoding in bf16 too; slower at large batches "
+        "and in prefill (default: off)",
+    )
     p.add_argument("--reflection", action="store_true")
     p.add_argument("--grace", type=float, default=float(env("TANDEM_TARGET_GRACE", "10")))
     p.add_argument("--log-level", default=env("TANDEM_LOG_LEVEL", "INFO"))
@@ -185,6 +193,7 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
             overlap=a.overlap,
             device_chain=a.device_chain,
             transposed_weights=a.transposed_weights,
+            batch_invariant=a.batch_invariant,
         ),
         host=a.host,
         port=a.port,

@@ -26,11 +26,12 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 
-def backend_for(device: torch.device | str) -> AttentionBackend:
-    """The Triton kernels on CUDA, the torch reference elsewhere. Triton is imported only
-    here, so CPU-only installs never need it."""
+def backend_for(device: torch.device | str, *, batch_invariant: bool = False) -> AttentionBackend:
+    """The Triton kernels on CUDA (``batch_invariant``: their batch-invariant tiles, one KV
+    split), the torch reference elsewhere. Triton is imported only here, so CPU-only installs
+    never need it."""
     if torch.device(device).type == "cuda":
         from tandem.attention.triton_backend import TritonAttention
 
-        return TritonAttention()
+        return TritonAttention(batch_invariant=batch_invariant)
     return TorchAttention()

@@ -53,12 +53,17 @@ class TritonAttention:
     """Stores new K/V through ``slot_mapping``, then runs the paged tree-attention kernel.
 
     ``num_splits`` fixes the split-KV count; None picks it per forward from the batch shape
-    and the GPU's SM count (``default_num_splits``)."""
+    and the GPU's SM count (``default_num_splits``). ``batch_invariant`` runs one split and
+    the kernel's batch-invariant tiles (``tree_attention``): a token's output then does not
+    depend on the batch it runs in (EngineConfig.batch_invariant)."""
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, *, batch_invariant: bool = False) -> None:
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
-        self.num_splits = num_splits
+        if batch_invariant and num_splits not in (None, 1):
+            raise ValueError(f"batch_invariant: needs one split, not {num_splits}")
+        self.num_splits = 1 if batch_invariant else num_splits
+        self.batch_invariant = batch_invariant
         self._cache: tuple[AttentionMetadata, _Plan] | None = None
         self._num_sms: dict[torch.device, int] = {}
 
@@ -92,6 +97,7 @@ class TritonAttention:
             page_size=meta.page_size,
             max_q_len=plan.max_q_len,
             num_splits=num_splits,
+            batch_invariant=self.batch_invariant,
         )
 
     def _auto_splits(self, plan: _Plan, bs: int, q: torch.Tensor, num_kv_heads: int) -> int:
@@ -160,10 +166,12 @@ class TritonAttention:
 class GraphAttention:
     """The backend of one CUDA-graph bucket: attends through the bucket's static buffers
     (``graph_meta``), ignoring the ``meta`` a forward passes (the graph runner's context holds
-    an empty placeholder there, as no host-side metadata may be read inside a capture)."""
+    an empty placeholder there, as no host-side metadata may be read inside a capture).
+    ``batch_invariant`` as `TritonAttention`'s (with ``graph_meta.num_splits`` 1)."""
 
-    def __init__(self, graph_meta: GraphMetadata) -> None:
+    def __init__(self, graph_meta: GraphMetadata, *, batch_invariant: bool = False) -> None:
         self.graph_meta = graph_meta
+        self.batch_invariant = batch_invariant
 
     def forward(
         self,
@@ -190,6 +198,7 @@ class GraphAttention:
             page_size=g.page_size,
             max_q_len=g.width,
             num_splits=g.num_splits,
+            batch_invariant=self.batch_invariant,
         )
 
 

@@ -105,6 +105,13 @@ def bench(
             "the prefill and two more; later to measure only steady decoding)."
         ),
     ] = None,
+    batch_invariant: Annotated[
+        bool,
+        typer.Option(
+            help="Every target (in process and the target service) runs its batch-invariant "
+            "kernels (EngineConfig.batch_invariant; CUDA): what bit-equal bf16 greedy costs."
+        ),
+    ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object (the table goes to stderr).")
     ] = False,
@@ -156,6 +163,7 @@ def bench(
             draft_device=draft_device,
             profile_idle=profile_idle,
             profile_start=profile_start,
+            batch_invariant=batch_invariant,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

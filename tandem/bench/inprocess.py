@@ -67,11 +67,13 @@ def build_engine(
     overlap: bool = True,
     drafter: Drafter | None = None,
     device_chain: bool = False,
+    batch_invariant: bool = False,
 ) -> Engine:
     """An engine over ``model`` (loaded from ``target`` when None), speculating with
     ``spec`` through ``drafter`` (default: the in-process drafter of ``draft``); ``overlap``
     decodes ahead (``tandem.ahead``), ``device_chain`` runs steady chain speculation as
-    device-chain steps (``tandem/spec/device_chain.py``; needs CUDA graphs)."""
+    device-chain steps (``tandem/spec/device_chain.py``; needs CUDA graphs), ``batch_invariant``
+    runs the target's batch-invariant kernels (EngineConfig.batch_invariant)."""
     config = EngineConfig(
         model=target,
         dtype=dtype,
@@ -83,6 +85,7 @@ def build_engine(
         spec_policy=spec_policy if spec is not None else "fixed",
         overlap=overlap,
         device_chain=device_chain,
+        batch_invariant=batch_invariant,
     )
     if spec is not None and drafter is None:
         draft_config = DraftConfig(

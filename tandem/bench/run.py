@@ -59,6 +59,7 @@ class BenchConfig:
     draft_device: str | None = None  # the draft service's device (default: ``device``)
     profile_idle: bool = False  # GPU idle of one profiled round per services row
     profile_start: int | None = None  # steps before the profiled window (None: prefill + 2)
+    batch_invariant: bool = False  # every target through EngineConfig.batch_invariant (CUDA)
 
     def __post_init__(self) -> None:
         unknown = set(self.modes) - set(ALL_MODES)
@@ -70,6 +71,8 @@ class BenchConfig:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
         if self.spec_policy not in SPEC_POLICIES:
             raise ValueError(f"spec_policy: {self.spec_policy!r} is not one of {SPEC_POLICIES}")
+        if self.batch_invariant and not self.device.startswith("cuda"):
+            raise ValueError(f"batch_invariant: needs a CUDA device, not {self.device!r}")
         w = self.workload
         if w.prompt_len < 1 or w.new_tokens < 2 or w.rounds < 1 or w.warmup_tokens < 0:
             raise ValueError("workload: prompt_len >= 1, new_tokens >= 2, rounds >= 1")
@@ -116,6 +119,7 @@ def run_bench(
         "Speculation policy": config.spec_policy,
         "Draft device (services)": config.draft_device or config.device,
         "GPU idle profile": _profiled(config),
+        "Batch-invariant target kernels": "on" if config.batch_invariant else "off",
     }
     rows: list[Row] = []
     speculative = config.draft is not None
@@ -219,6 +223,7 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
             spec_policy=policy,
             overlap=overlap,
             device_chain=device_chain,
+            batch_invariant=config.batch_invariant,
         )
         serving.freeze_heap()  # as the services do once loaded: no full collection walks it
         for bs in config.batch_sizes:
@@ -287,6 +292,7 @@ def _services(
             probe=probe,
             local_stream=local_stream,
             device_chain=device_chain,
+            batch_invariant=config.batch_invariant,
         )
         rows = []
         try:

@@ -63,6 +63,7 @@ def start_stack(
     probe: IdleProbe | None = None,
     local_stream: bool = True,
     device_chain: bool = False,
+    batch_invariant: bool = False,
 ) -> Stack:
     stack = build_stack(
         target=target,
@@ -83,6 +84,7 @@ def start_stack(
             *("--num-pages", str(num_pages), "--max-num-seqs", str(max_batch)),
             *("--spec-policy", spec_policy),
             *(["--device-chain"] if device_chain else []),
+            *(["--batch-invariant"] if batch_invariant else []),
         ],
     )
     for svc in stack.services:

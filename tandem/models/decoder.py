@@ -46,10 +46,14 @@ def fused_ops(*tensors: torch.Tensor) -> kernels.Ops:
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose forward goes through the kernels' ``linear`` (on CUDA, decode-size
-    batches in bf16/fp16 run ``kernels.skinny``); same parameters and state dict."""
+    batches in bf16/fp16 run ``kernels.skinny``); same parameters and state dict.
+    ``batch_invariant`` (``DecoderLM.use_batch_invariant``) sends every CUDA batch there."""
+
+    batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_ops(x, self.weight).linear(x, self.weight, self.bias)
+        ops = fused_ops(x, self.weight)
+        return ops.linear(x, self.weight, self.bias, batch_invariant=self.batch_invariant)
 
 
 def transpose_weights(model: nn.Module) -> int:
@@ -229,6 +233,7 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.batch_invariant = False  # use_batch_invariant
 
     def forward(
         self,
@@ -263,6 +268,24 @@ class DecoderLM(nn.Module):
         Call it before CUDA graphs are captured."""
         return transpose_weights(self)
 
+    def use_batch_invariant(self) -> int:
+        """Every projection and the lm_head through the kernels' batch-invariant GEMM
+        (``kernels.skinny``: a row's sums in one order at any row count), so that on CUDA a
+        token's logits do not depend on how many rows run beside it (with the attention
+        backend's ``batch_invariant``: EngineConfig.batch_invariant). Returns the projections
+        switched (the lm_head besides)."""
+        self.batch_invariant = True
+        switched = 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.batch_invariant = True
+                switched += 1
+        return switched
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32 logits."""
+        if self.batch_invariant:
+            w = self.lm_head.weight
+            ops = fused_ops(hidden, w)
+            return ops.linear(hidden, w, self.lm_head.bias, batch_invariant=True).float()
         return self.lm_head(hidden).float()

@@ -247,3 +247,34 @@ def test_transposed_weights_keep_shapes_values_and_tied_heads(tmp_path: Path) ->
                 assert m.weight is model.embed_tokens.weight and m.weight.is_contiguous()
             else:
                 assert m.weight.t().is_contiguous() and not m.weight.is_contiguous()
+
+
+def test_batch_invariant_switches_every_projection_and_needs_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``use_batch_invariant`` flags every projection (the kernels then take their
+    batch-invariant GEMM on CUDA); on CPU the references run as before, so logits are equal.
+    The engine setting needs CUDA; the target's flag and environment set it."""
+    from tandem.config import EngineConfig
+    from tandem.models.decoder import Linear
+    from target_service.__main__ import _config, build_parser
+
+    path = make_checkpoint(tmp_path / "m", "llama", seed=7, tie_word_embeddings=True)
+    model = load_model(path, dtype=torch.float32, device="cpu")
+    tokens = list(range(3, 12))
+    before, _ = forward(model, make_kv(model, 4), [("a", tokens, list(range(9)), None)])
+    projections = [m for m in model.modules() if isinstance(m, Linear)]
+    assert model.use_batch_invariant() == len(projections) > 0
+    assert model.batch_invariant and all(m.batch_invariant for m in projections)
+    after, _ = forward(model, make_kv(model, 4), [("a", tokens, list(range(9)), None)])
+    assert torch.equal(before[0], after[0])
+    with pytest.raises(ValueError, match="batch_invariant: needs a CUDA device"):
+        EngineConfig(model=path, batch_invariant=True)
+    parser = build_parser()
+    assert not _config(parser.parse_args(["--target", str(path)])).engine.batch_invariant
+    with pytest.raises(ValueError, match="batch_invariant: needs a CUDA device"):
+        _config(parser.parse_args(["--target", str(path), "--batch-invariant"]))
+    on_cuda = ["--target", str(path), "--device", "cuda"]
+    assert _config(parser.parse_args([*on_cuda, "--batch-invariant"])).engine.batch_invariant
+    monkeypatch.setenv("TANDEM_TARGET_BATCH_INVARIANT", "1")
+    assert _config(build_parser().parse_args(on_cuda)).engine.batch_invariant
