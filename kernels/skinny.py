@@ -47,10 +47,7 @@ def linear(
     `skinny_linear` with tiles chosen for the weight's shape. With ``batch_invariant``, every
     2-D CUDA input of one float dtype with its weight (any rows, any weight layout) does."""
     if batch_invariant and _invariant_path(x, weight):
-        config = _config(weight.shape[0])
-        if x.dtype == torch.float32:  # twice the bytes a stage: fewer stages fit shared memory
-            config["num_stages"] = 2
-        return skinny_linear(x, weight, bias, **config)
+        return skinny_linear(x, weight, bias, **invariant_config(weight.shape[0], x.dtype))
     if x.dim() != 2 or x.dtype not in _SKINNY_DTYPES or not 0 < x.shape[0] <= MAX_ROWS:
         return F.linear(x, weight, bias)
     if weight.dtype != x.dtype or not x.is_cuda or weight.stride(0) != 1:
@@ -62,6 +59,15 @@ def linear(
 
 def _invariant_path(x: Tensor, weight: Tensor) -> bool:
     return x.dim() == 2 and x.is_cuda and x.dtype in _DTYPES and weight.dtype == x.dtype
+
+
+def invariant_config(n: int, dtype: torch.dtype) -> dict[str, int]:
+    """`linear`'s tiles under ``batch_invariant``: `_config`'s (the sums' order), with fewer
+    pipeline stages for float32 (twice the bytes a stage: the others overflow shared memory)."""
+    config = _config(n)
+    if dtype == torch.float32:
+        config["num_stages"] = 2
+    return config
 
 
 def _config(n: int) -> dict[str, int]:

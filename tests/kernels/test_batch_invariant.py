@@ -2,7 +2,7 @@
 projection (`kernels.skinny.linear`) and a token's attention (`tree_attention`) are
 bit-identical whether computed alone or among other rows, and a token verified inside a chain
 equals the same token decoded alone and prefilled. Interpreted on CPU (fp32/fp16), compiled on
-the GPU (bf16 too), where the default tiles are shown to differ from it."""
+the GPU (bf16 too)."""
 
 from __future__ import annotations
 
@@ -46,13 +46,13 @@ class _Paged:
                  dtype: torch.dtype, seed: int) -> None:  # fmt: skip
         gen = torch.Generator().manual_seed(seed)
         num_heads, num_kv_heads = heads
-        self.page_size, self.dtype = page_size, dtype
-        self.num_pages = 4 * (-(-length // page_size)) + 8
-        slots = self.num_pages * page_size
+        self.page_size = page_size
+        num_pages = 4 * (-(-length // page_size)) + 8
+        slots = num_pages * page_size
         self.k = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
         self.v = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
         self.q = torch.randn(length, num_heads, head_dim, generator=gen).to(DEVICE, dtype)
-        self.perm = torch.randperm(self.num_pages, generator=gen).to(torch.int32)
+        self.perm = torch.randperm(num_pages, generator=gen).to(torch.int32)
         self.length = length
 
     def run(self, reqs: list[tuple[int, int]], *, masked: bool = False, invariant: bool = True,
@@ -167,7 +167,7 @@ def test_gpu_linear_rows_are_bit_identical_at_any_batch(dtype: torch.dtype) -> N
             for rows in (4, 64, 300):
                 got = linear(x[:rows], weight, batch_invariant=True)
                 assert torch.equal(got[: min(rows, 8)], alone[: min(rows, 8)]), (n, k, rows)
-            config = skinny._config(n) | ({"num_stages": 2} if dtype == torch.float32 else {})
+            config = skinny.invariant_config(n, dtype)
             assert torch.equal(got, skinny_linear(x, weight, **config))  # the kernel's path
             torch.testing.assert_close(
                 got.float(), torch.nn.functional.linear(x, weight).float(), rtol=2e-2, atol=2e-2
