@@ -4,7 +4,7 @@
 # logs go to $OUT. Usage on the device machine, from the repo root:
 #
 #   bash bench/gpu_check.sh [SECTION ...]     sections: gpu gpu-low gpu-spec gpu-e2e compiled
-#                                             kernels profile parity invariant chain cpu
+#                                             kernels profile prefill parity invariant chain cpu
 #                                             (default: gpu compiled kernels)
 #
 # One call may run 600 s: `gpu` (every GPU test) took 542 s on an H100 with 88 tests and no
@@ -77,6 +77,20 @@ if want profile; then
     done
   done
 fi
+if want prefill; then
+  # A lone prompt's prefill on the 8B shape, through the prefill graphs and eagerly, and the
+  # graph tests (replays against eager steps, bit for bit under batch-invariant kernels).
+  for graphs in on off; do
+    flag=(); [ $graphs = off ] && flag=(--prefill-graph-tokens off)
+    python3 bench/profile_prefill.py "${flag[@]}" > "$OUT/prefill_$graphs.txt" 2>&1
+    rc=$?; row "bench/profile_prefill.py graphs $graphs" $rc "$OUT/prefill_$graphs.txt"
+    rc_all=$((rc_all | rc))
+  done
+  python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/kernels/test_prefill_graphs.py \
+    tests/spec/test_cuda_graphs.py::test_lone_prompts_replay_prefill_graphs \
+    > "$OUT/prefill_tests.log" 2>&1
+  rc=$?; row "prefill graph tests" $rc "$OUT/prefill_tests.log"; rc_all=$((rc_all | rc))
+fi
 if want parity; then
   # Greedy parity through the services, reference family, 64 held-out prompts, fp32 and bf16.
   python3 bench/gpu_parity.py --log-dir "$OUT/parity-logs" --json "$OUT/parity.json" \
@@ -113,7 +127,7 @@ fi
 printf '%-44s %-8s %s\n' "check" "result" "summary"
 printf '%s\n' "${rows[@]}"
 for f in "$OUT"/kernels_bench.txt "$OUT"/attention_bench.txt "$OUT"/fused_bench.txt \
-         "$OUT"/profile_bs*.txt "$OUT"/parity.txt "$OUT"/parity_invariant.txt \
+         "$OUT"/profile_bs*.txt "$OUT"/prefill_*.txt "$OUT"/parity.txt "$OUT"/parity_invariant.txt \
          "$OUT"/chain_ipc.txt; do
   [ -f "$f" ] && { echo; echo "== $(basename "$f")"; cat "$f"; }
 done

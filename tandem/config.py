@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 SPEC_POLICIES = ("fixed", "adaptive", "k0")
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)  # EngineConfig.prefill_graph_tokens
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,6 +35,10 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     # Captured batch sizes; sizes past the first one >= max_num_seqs are never captured.
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    # With graphs: token counts at which a prompt chunk alone in its step replays a CUDA graph
+    # (tandem/prefill_graphs.py); counts past max_num_batched_tokens are never captured;
+    # () = every prompt chunk runs eagerly.
+    prefill_graph_tokens: tuple[int, ...] = PREFILL_GRAPH_TOKENS
     # Perf only (tandem.spec.simulate): accept this mean length whatever the drafts are; the
     # output is then not the target's. Set by `tandem bench` and TANDEM_SIMULATE_ACCEPT_LENGTH.
     simulate_accept_length: float | None = None
@@ -80,6 +85,9 @@ class EngineConfig:
         sizes = self.cuda_graph_batch_sizes
         if not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes)):
             raise ValueError("cuda_graph_batch_sizes: need increasing sizes >= 1")
+        tokens = self.prefill_graph_tokens
+        if tokens and (tokens[0] < 1 or list(tokens) != sorted(set(tokens))):
+            raise ValueError("prefill_graph_tokens: need increasing counts >= 1")
         if self.spec_policy not in SPEC_POLICIES:
             raise ValueError(f"spec_policy: {self.spec_policy!r} is not one of {SPEC_POLICIES}")
         if self.simulate_accept_length is not None and self.simulate_accept_length < 1.0:
@@ -99,6 +107,14 @@ class EngineConfig:
         sizes = self.cuda_graph_batch_sizes
         last = next((i for i, b in enumerate(sizes) if b >= self.max_num_seqs), len(sizes) - 1)
         return sizes[: last + 1]
+
+    @property
+    def prefill_graph_widths(self) -> tuple[int, ...]:
+        """The prompt-chunk token counts to capture (with graphs): up to the first that holds
+        a whole step's token budget."""
+        tokens, budget = self.prefill_graph_tokens, self.max_num_batched_tokens
+        last = next((i for i, t in enumerate(tokens) if t >= budget), len(tokens) - 1)
+        return tokens[: last + 1]
 
     @property
     def torch_dtype(self) -> torch.dtype:

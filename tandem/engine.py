@@ -114,6 +114,12 @@ class Engine(AheadSteps, ChainSteps):
                 max_model_len=self.max_model_len,
                 capture_layers=drafter.target_layer_ids if drafter is not None else (),
             )
+            if config.prefill_graph_widths:
+                self.runner.enable_prefill_graphs(
+                    widths=config.prefill_graph_widths,
+                    max_model_len=self.max_model_len,
+                    capture_layers=drafter.target_layer_ids if drafter is not None else (),
+                )
             if drafter is not None and spec is not None:  # the draft follows the target
                 enable_draft_graphs(
                     drafter,

@@ -7,7 +7,9 @@ from numbers the scheduler already has; nothing here reads the device.
 
 With graphs enabled (``enable_graphs``), a step in which every request verifies a tree (no
 prompt chunk) is planned into a bucket of ``tandem.graphs.TargetGraphRunner`` and replayed
-there; other steps, and steps no bucket holds, run eagerly.
+there. With prefill graphs (``enable_prefill_graphs``), a step whose only work is one
+request's prompt chunk replays ``tandem.prefill_graphs.PrefillGraphRunner``'s graph of its
+width. Other steps, and steps no bucket holds, run eagerly.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tandem.attention import AttentionMetadata, backend_for
 from tandem.graphs import GraphBatch, TargetGraphRunner
 from tandem.kv import KVCache
 from tandem.models import DecoderLM, ForwardContext
+from tandem.prefill_graphs import PrefillBatch, PrefillGraphRunner
 from tandem.scheduler import ScheduledBatch
 from tandem.spec.types import Tree
 from tandem.transfer import device_ints
@@ -38,6 +41,7 @@ class ModelInputs:
     meta: AttentionMetadata | None = None
     logits_indices: torch.Tensor | None = None  # [num_rows] int64, flat rows with logits
     graph: GraphBatch | None = None
+    prefill: PrefillBatch | None = None  # a prompt chunk alone, run by the prefill graphs
     ahead: bool = False  # a step decoding ahead (tandem/ahead.py): nobody waits for its forward
 
 
@@ -54,6 +58,7 @@ class ModelRunner:
         self.device = kv.spec.device
         self.backend = backend_for(self.device, batch_invariant=batch_invariant)
         self.graphs: TargetGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
 
     def enable_graphs(
         self,
@@ -81,6 +86,30 @@ class ModelRunner:
         self.graphs.capture(capture_layers)
         return self.graphs
 
+    def enable_prefill_graphs(
+        self,
+        *,
+        widths: Sequence[int],
+        max_model_len: int,
+        capture_layers: Sequence[int] = (),
+        capture: bool = True,
+    ) -> PrefillGraphRunner:
+        """Runs a prompt chunk alone in its step through the CUDA graph of the smallest of
+        ``widths`` that holds it, captured now (``capture=False``: eager static buffers)."""
+        from tandem.attention.triton_backend import TritonAttention  # imports triton
+
+        attention = self.backend if isinstance(self.backend, TritonAttention) else None
+        self.prefill_graphs = PrefillGraphRunner(
+            self.model,
+            self.kv,
+            widths=widths,
+            max_model_len=max_model_len,
+            attention=attention,
+            capture=capture,
+        )
+        self.prefill_graphs.capture(capture_layers)
+        return self.prefill_graphs
+
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         trees: list[Tree | None] = []
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
@@ -100,6 +129,15 @@ class ModelRunner:
             if graph is not None:
                 starts = [0, *accumulate(news)][:-1]
                 return ModelInputs(trees=trees, row_starts=starts, token_starts=starts, graph=graph)
+        alone = batch.requests[0] if len(batch.requests) == 1 else None
+        if self.prefill_graphs is not None and alone is not None and alone.tree is None:
+            start, n = alone.num_computed, batch.num_new_tokens[0]
+            chunk = alone.tokens[start : start + n]
+            prefill = self.prefill_graphs.plan(
+                alone.request_id, start, chunk, last=trees[0] is not None
+            )
+            if prefill is not None:
+                return ModelInputs(trees=trees, row_starts=[0], token_starts=[0], prefill=prefill)
         return self._prepare_eager(batch, trees)
 
     def prepare_ahead(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> ModelInputs:
@@ -195,6 +233,10 @@ class ModelRunner:
         if inputs.graph is not None:
             assert self.graphs is not None, "a graph step planned without graphs"
             logits, features = self.graphs.run(inputs.graph, capture_layers)
+            return ModelOutputs(logits=logits, features=features)
+        if inputs.prefill is not None:
+            assert self.prefill_graphs is not None, "a prefill graph planned without graphs"
+            logits, features = self.prefill_graphs.run(inputs.prefill, capture_layers)
             return ModelOutputs(logits=logits, features=features)
         assert inputs.input_ids is not None and inputs.positions is not None
         assert inputs.meta is not None and inputs.logits_indices is not None

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tandem import __version__, security, serving, telemetry, transfer
-from tandem.config import SPEC_POLICIES, EngineConfig
+from tandem.config import PREFILL_GRAPH_TOKENS, SPEC_POLICIES, EngineConfig
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 from tandem.spec import simulate
@@ -99,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode/verify steps through CUDA graphs (default: on for CUDA devices)",
     )
     p.add_argument(
+        "--prefill-graph-tokens",
+        type=_token_counts,
+        # A string default: argparse parses it as it would the flag (errors name the flag).
+        default=env("TANDEM_TARGET_PREFILL_GRAPH_TOKENS", ",".join(map(str, PREFILL_GRAPH_TOKENS))),
+        help="with CUDA graphs, the token counts at which a prompt chunk alone in its step "
+        "replays a CUDA graph, comma-separated, or 'off' (default: "
+        f"{','.join(map(str, PREFILL_GRAPH_TOKENS))})",
+    )
+    p.add_argument(
         "--spec-policy",
         choices=SPEC_POLICIES,
         default=env("TANDEM_TARGET_SPEC_POLICY", "fixed"),
@@ -149,6 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _token_counts(raw: str) -> tuple[int, ...]:
+    """``--prefill-graph-tokens``: increasing counts >= 1, comma-separated, or 'off'."""
+    if raw.strip().lower() in ("off", "none", ""):
+        return ()
+    try:
+        counts = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{raw!r}: expected counts like 16,32,64 or 'off'"
+        ) from None
+    if counts[0] < 1 or list(counts) != sorted(set(counts)):
+        raise argparse.ArgumentTypeError(f"{raw!r}: counts must increase and be >= 1")
+    return counts
+
+
 def parse_args(argv: list[str] | None = None) -> TargetServiceConfig:
     """Flags (and their environment defaults) -> a validated config; exits with usage on an
     invalid value, naming the field (unreadable or mismatched TLS files included)."""
@@ -188,6 +212,7 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
             device=a.device,
             dtype=a.dtype,
             cuda_graphs=a.cuda_graphs,
+            prefill_graph_tokens=a.prefill_graph_tokens,
             simulate_accept_length=accept_length,
             spec_policy=a.spec_policy,
             overlap=a.overlap,

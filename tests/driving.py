@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -81,13 +81,16 @@ class Shadow:
     path on the KV as it was before, and both must agree within ``atol``; the bucket's KV writes
     are kept (steps decoding ahead too: their eager twin takes the same device ids). With
     ``twin`` (a capture-free runner over the same model and KV), a graph replay must also match
-    the same step run eagerly on static buffers."""
+    the same step run eagerly on static buffers. Prompt chunks run by the prefill graphs
+    (``tandem.prefill_graphs``) are checked against their eager step the same way and listed
+    in ``prefills`` as (width, chunk length, ends the prompt)."""
 
     engine: Engine
     atol: float
     twin: TargetGraphRunner | None = None
     seen: list[Seen] = field(default_factory=list)
     missed: int = 0  # steps of trees only (no prompt chunk) that ran eagerly all the same
+    prefills: list[tuple[int, int, bool]] = field(default_factory=list)
     _batch: ScheduledBatch | None = None
 
     def __post_init__(self) -> None:
@@ -112,27 +115,38 @@ class Shadow:
             finally:
                 runner.graphs = graphs
 
-        def shadow_forward(inputs: ModelInputs, layers: Sequence[int] = ()) -> ModelOutputs:
-            assert self._batch is not None
-            if inputs.graph is None:
-                pairs = zip(inputs.trees, self._batch.num_new_tokens, strict=True)
-                self.missed += all(t is not None and len(t) == n for t, n in pairs)
-                return forward(inputs, layers)
+        def checked(
+            inputs: ModelInputs, layers: Sequence[int], eager: Callable[[], ModelInputs]
+        ) -> ModelOutputs:
+            """Runs ``inputs`` (a graph step), then its eager twin on the KV as it was."""
             kv = self.engine.kv
             caches = [*kv.k_caches, *kv.v_caches]
             before = [c.clone() for c in caches]
             got = forward(inputs, layers)
             after = [c.clone() for c in caches]
-            if self.twin is not None:
+            if self.twin is not None and inputs.graph is not None:
                 _restore(caches, before)
                 logits, features = self.twin.run(inputs.graph, layers)
                 _close(got, ModelOutputs(logits=logits, features=features), caches, after, 1e-6)
             _restore(caches, before)
-            eager = eager_inputs(inputs)
-            _close(got, forward(eager, layers), caches, after, self.atol)
+            _close(got, forward(eager(), layers), caches, after, self.atol)
             _restore(caches, after)
             null_page = range(kv.spec.page_size)  # padding rows never write
             assert all(c[null_page].eq(0).all() for c in caches), "a padding row wrote KV"
+            return got
+
+        def shadow_forward(inputs: ModelInputs, layers: Sequence[int] = ()) -> ModelOutputs:
+            assert self._batch is not None
+            batch = self._batch
+            if inputs.prefill is not None:
+                p = inputs.prefill
+                self.prefills.append((p.width, p.num_tokens, p.last))
+                return checked(inputs, layers, lambda: runner._prepare_eager(batch, inputs.trees))
+            if inputs.graph is None:
+                pairs = zip(inputs.trees, batch.num_new_tokens, strict=True)
+                self.missed += all(t is not None and len(t) == n for t, n in pairs)
+                return forward(inputs, layers)
+            got = checked(inputs, layers, lambda: eager_inputs(inputs))
             sizes = [len(t) for t in inputs.trees if t is not None]
             ahead = inputs.graph.device_ids is not None
             self.seen.append(Seen(inputs.graph.bucket, len(sizes), sizes, ahead))

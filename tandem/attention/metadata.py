@@ -104,20 +104,28 @@ class AttentionMetadata:
 @dataclass(kw_only=True)
 class GraphMetadata:
     """A CUDA-graph bucket's metadata: ``bs`` requests of ``width`` query rows each, every
-    request masked (prefix + tree mask). The tensors are the graph runner's static buffers,
-    refilled in place before each replay; nothing here lives on the host, because a captured
-    forward must not read lengths there. A request with fewer real rows pads the rest (slot
-    -1, mask 0); a padding request has ``seq_len = prefix_len = 0`` and sees nothing."""
+    request masked (prefix + tree mask), or every request causal when ``tree_mask`` and
+    ``prefix_lens`` are None (``tandem.prefill_graphs``: a prompt chunk). The tensors are the
+    graph runner's static buffers, refilled in place before each replay; nothing here lives on
+    the host, because a captured forward must not read lengths there. A request with fewer real
+    rows pads the rest (slot -1, mask 0); a padding request has ``seq_len = prefix_len = 0``
+    and sees nothing."""
 
     page_size: int
     width: int  # query rows per request: the kernel's grid bound (max_q_len)
     num_splits: int  # split-KV count, fixed at capture (a grid bound too)
     query_start_loc: torch.Tensor  # [bs + 1] int64, 0, width, 2 * width, ...
     seq_lens: torch.Tensor  # [bs] int64, prefix + real rows (0 for a padding request)
-    prefix_lens: torch.Tensor  # [bs] int64, KV entries every row sees
-    tree_mask: torch.Tensor  # [bs * width, num_words] int64, ancestor bits per row
+    prefix_lens: torch.Tensor | None  # [bs] int64, KV entries every row sees (None: causal)
+    tree_mask: torch.Tensor | None  # [bs * width, num_words] int64, ancestor bits per row
     page_table: torch.Tensor  # [bs, max_pages] int32, padded with the null page
     slot_mapping: torch.Tensor  # [bs * width] int64, -1 for padding rows (not stored)
+
+    def masked(self) -> tuple[torch.Tensor, torch.Tensor]:  # prefix_lens, tree_mask
+        """The mask inputs of a masked bucket (every decode/verify/draft bucket)."""
+        if self.prefix_lens is None or self.tree_mask is None:
+            raise ValueError("a causal bucket has no tree mask")
+        return self.prefix_lens, self.tree_mask
 
 
 def build_custom_mask(

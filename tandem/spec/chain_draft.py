@@ -105,7 +105,7 @@ class DraftChain:
         staged.ints["rows"] = list(range(bs * w))
         staged.pages["pages0"] = pages
         self.graphs.static.stage(extend, staged)
-        self._chain_words = extend.modules[0].backend.graph_meta.tree_mask.clone()
+        self._chain_words = extend.modules[0].backend.graph_meta.masked()[1].clone()
         loop = self.graphs.loops[bucket]
         staged = Staged(ints=dict(loop.empty.ints), pages=dict(loop.empty.pages))
         words = self.schedule.num_words
@@ -185,12 +185,13 @@ class DraftChain:
         extend = graphs.extends[bucket]
         buf = extend.modules[0]
         meta = buf.backend.graph_meta
+        prefix_lens, tree_mask = meta.masked()
         paged_inputs = kernels.ops(self.device).paged_inputs
         # The extend: pair k at base + 1 - shift + k, the first accepted + 1 of a row kept.
         buf.input_ids.copy_(out.new.view(-1))
         paged_inputs(
             out.base, out.accepted, out.alive, meta.page_table, meta.slot_mapping,
-            meta.seq_lens, meta.prefix_lens, buf.positions, self._chain_words, meta.tree_mask,
+            meta.seq_lens, prefix_lens, buf.positions, self._chain_words, tree_mask,
             page_size=page_size, shift=1 - self.shift, count_accepted=True,
         )  # fmt: skip
         buf.last_rows.copy_(torch.arange(bs, device=self.device) * w + out.accepted)
@@ -203,7 +204,7 @@ class DraftChain:
             meta = loop.backends[t].graph_meta
             paged_inputs(
                 out.base, out.accepted, out.alive, meta.page_table, meta.slot_mapping,
-                meta.seq_lens, meta.prefix_lens, page_size=page_size,
+                meta.seq_lens, meta.masked()[0], page_size=page_size,
                 shift=2 - self.shift, offset=step.prev, prefix_accepted=True,
             )  # fmt: skip
         graphs.last_in[0][:bs].copy_(graphs.last_out[0][:bs])

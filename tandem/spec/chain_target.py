@@ -205,7 +205,7 @@ class TargetChain:
         ops = kernels.ops(self.device)
         ops.paged_inputs(  # node i of a chain at base + i: no KV moves
             base, None, alive, meta.page_table, meta.slot_mapping, meta.seq_lens,
-            meta.prefix_lens, entry.positions, page_size=self.alloc.page_size,
+            meta.masked()[0], entry.positions, page_size=self.alloc.page_size,
         )  # fmt: skip
         self.target.forward_static(bucket)
         logits = self.target.logits[: bs * w]

@@ -35,13 +35,16 @@ SPECS = {
 }
 
 
-def cuda_engine(ckpts: Checkpoints, name: str, page_size: int, *, graphs: bool) -> Engine:
+def cuda_engine(
+    ckpts: Checkpoints, name: str, page_size: int, *, graphs: bool, batch_invariant: bool = False
+) -> Engine:
     config = EngineConfig(
         model=ckpts.target,
         device="cuda",
         page_size=page_size,
         num_pages=8192 // page_size,  # small: the shadow copies the pool every step
         cuda_graphs=graphs,
+        batch_invariant=batch_invariant,
     )
     shape = SPECS[name]
     if shape is None:
@@ -147,3 +150,26 @@ def test_cuda_graphs_flag_reaches_the_engine(ckpts: Checkpoints) -> None:
     assert Engine(EngineConfig(model=ckpts.target, device="cuda", num_pages=64)).runner.graphs
     off = EngineConfig(model=ckpts.target, device="cuda", num_pages=64, cuda_graphs=False)
     assert Engine(off).runner.graphs is None
+
+
+@pytest.mark.parametrize(
+    ("name", "invariant"), [("plain", False), ("eagle3-chain", False), ("plain", True)]
+)
+def test_lone_prompts_replay_prefill_graphs(
+    ckpts: Checkpoints, name: str, invariant: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Prompts that arrive alone replay the prefill graphs (``tandem.prefill_graphs``): each
+    chunk matches its eager step on the same KV (last row's logits, features, KV writes), bit
+    for bit with batch-invariant kernels, and greedy outputs equal eager decoding."""
+    plan = arrivals(6, VOCAB, every=100, new_tokens=(8, 40), seed=3)  # each alone in its step
+    eager, _ = drive(cuda_engine(ckpts, name, 16, graphs=False, batch_invariant=invariant), plan)
+    with caplog.at_level(logging.INFO, logger="tandem.prefill_graphs"):
+        engine = cuda_engine(ckpts, name, 16, graphs=True, batch_invariant=invariant)
+    runner = engine.runner.prefill_graphs
+    assert runner is not None and runner.captured and runner.widths == [16, 32, 64, 128, 256, 512]
+    assert "captured 6 prefill CUDA graphs" in caplog.text
+    shadow = Shadow(engine, atol=0.0 if invariant else ATOL)
+    outputs, _ = drive(engine, plan)
+    assert outputs == eager
+    assert len(shadow.prefills) == len(plan) and all(last for _, _, last in shadow.prefills)
+    assert sum(runner.replays.values()) == len(plan)
