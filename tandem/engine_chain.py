@@ -79,10 +79,11 @@ class ChainSteps:
     def _chain_step(self, policy_batch: int, started: int) -> list[RequestOutput]:
         """Launches the run's next step, reads the oldest unread one and commits it; a run
         that cannot launch (a pool is full, the draft did not answer) or whose request
-        finished ends here."""
+        finished ends here. Where the unread steps may finish every request by length, the
+        read comes first and nothing is launched ahead (``DeviceChain.may_all_finish``)."""
         chain = self.chain
         assert chain is not None and chain.active
-        problem = chain.launch()
+        problem = "" if chain.unread and chain.may_all_finish() else chain.launch()
         waited = time.perf_counter_ns()
         self.last_stats = SpecStats()
         outputs = self._commit_chain(chain.read())

@@ -23,7 +23,9 @@ What the host knows a step late, and how it stays exact:
 - KV pages, in both pools, are reserved for the worst case of every unread step (S+1 tokens
   each) before a launch, and new pages go into the graphs' page tables on the stream.
 - A request that finishes (EOS, stop, length, abort) is known when its step is read; the step
-  launched meanwhile computed a row for it, which is dropped, and the run ends.
+  launched meanwhile computed a row for it, which is dropped, and the run ends. Where the
+  unread steps may bring every request to its length limit, nothing is launched before they
+  are read (``may_all_finish``): a run then ends without a wasted step.
 - When the run ends, the host state an ordinary step reads is rebuilt from the last launched
   step: the target's KV length, the drafter's KV length, last output and kept feature, and each
   request's next tree (its tokens were appended as the steps were read).
@@ -172,6 +174,18 @@ class DeviceChain:
         if self.target_graphs.bucket_for(len(running), self.width) is None:
             return False
         return all(self._eligible(req) for req in running)
+
+    def may_all_finish(self) -> bool:
+        """Whether the unread steps may bring every request of the run to its length limit
+        (``max_new_tokens`` or the context: each step commits 1 to S+1 tokens). A step
+        launched before they are read would then verify rows nobody reads, and the GPU would
+        run it before whatever comes next (the next prompt's prefill): the engine reads first
+        instead, and launches after the read if the run goes on. EOS and stop tokens cannot be
+        foreseen; a request they finish still leaves one step launched ahead."""
+        room = self.unread * self.width
+        return bool(self.reqs) and all(
+            self._limit(req) - req.num_tokens <= room for req in self.reqs
+        )
 
     def stop_reason(self, scheduler: Scheduler) -> str:
         """Why the run may not launch another step ('' when it may)."""

@@ -19,6 +19,7 @@ from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.graphs import graph_widths
 from tandem.sampling import SamplingParams
+from tandem.spec.device_chain import ChainRead
 from tandem.spec.types import SpecConfig
 from tests.driving import Arrival, arrivals, drive
 from tests.spec.conftest import VOCAB, Checkpoints
@@ -194,14 +195,13 @@ def test_simulated_acceptance_runs_on_the_device(ckpts: Checkpoints) -> None:
     check_pools_empty(engine)
 
 
-def test_a_finished_request_goes_out_before_its_run_ends(ckpts: Checkpoints) -> None:
-    """The step that reads a request's last tokens returns them while the step launched
-    ahead is still unread (not a step's time later); the next step reads it and ends the
-    run, and ``has_unfinished`` holds until then."""
-    engine = chain_engine(ckpts, "eagle3", 3, simulate=3.0)
+def _run_to_finish(
+    engine: Engine, params: SamplingParams
+) -> tuple[list[int], tuple[bool, int] | None, str]:
+    """Steps one request to its end: its tokens, the run's (active, unread) when the output
+    that finished it came back, and the request's id."""
     chain = engine.chain
     assert chain is not None
-    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     request_id = engine.add_request([5, 9, 17], params)
     tokens: list[int] = []
     finished_with: tuple[bool, int] | None = None
@@ -211,10 +211,50 @@ def test_a_finished_request_goes_out_before_its_run_ends(ckpts: Checkpoints) -> 
             tokens += out.new_token_ids
             if out.finished:
                 finished_with = (chain.active, chain.unread)
-    assert finished_with == (True, 1)  # its run was still to end
     assert not chain.active and not chain.unread
+    return tokens, finished_with, request_id
+
+
+def test_a_finished_request_goes_out_before_its_run_ends(ckpts: Checkpoints) -> None:
+    """A request that a stop token finishes (not foreseeable): the step that reads its last
+    tokens returns them while the step launched ahead is still unread (not a step's time
+    later); the next step reads it and ends the run, and ``has_unfinished`` holds until
+    then."""
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    tokens, _, _ = _run_to_finish(chain_engine(ckpts, "eagle3", 3, simulate=3.0), params)
+    stop = tokens[20]
+    first = tokens.index(stop)
+    engine = chain_engine(ckpts, "eagle3", 3, simulate=3.0)  # the same draws again
+    stopped = SamplingParams(max_new_tokens=30, ignore_eos=True, stop_token_ids=(stop,))
+    got, finished_with, request_id = _run_to_finish(engine, stopped)
+    assert got == tokens[: first + 1]
+    assert finished_with == (True, 1)  # its run was still to end
+    assert engine.pop_finished(request_id).token_ids == got
+    check_pools_empty(engine)
+
+
+def test_a_run_launches_nothing_past_the_length_limit(ckpts: Checkpoints) -> None:
+    """A request that ``max_new_tokens`` finishes: once the unread step may reach it, the
+    engine reads before it launches (``DeviceChain.may_all_finish``), so the run ends at the
+    read that finishes the request, with no step launched for nobody."""
+    engine = chain_engine(ckpts, "eagle3", 3, simulate=3.0)
+    chain = engine.chain
+    assert chain is not None
+    rows_read: list[int] = []  # per read step, the rows someone was waiting for
+    read = chain.read
+
+    def counted() -> list[ChainRead]:
+        reads = read()
+        rows_read.append(len(reads))
+        return reads
+
+    chain.read = counted  # type: ignore[method-assign]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    tokens, finished_with, request_id = _run_to_finish(engine, params)
+    assert finished_with == (False, 0)  # ended at the read: nothing was launched ahead
     assert len(tokens) == 30
     assert engine.pop_finished(request_id).token_ids == tokens
+    assert len(rows_read) == chain.launches >= 5 and 0 not in rows_read, rows_read
     check_pools_empty(engine)
 
 
