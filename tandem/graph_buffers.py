@@ -1,15 +1,24 @@
-"""Pieces shared by the CUDA-graph runners (``tandem/graphs.py`` for the target,
-``tandem/spec/draft_graphs.py`` for the draft): bucket shapes, the packed int64 staging layout
-that one host-to-device copy fills, tree-mask words, and the capture of one graph."""
+"""Pieces shared by the CUDA-graph runners (``tandem/graphs.py`` and ``tandem/prefill_graphs.py``
+for the target, ``tandem/spec/draft_graphs.py`` for the draft): bucket shapes, the packed int64
+staging layout that one host-to-device copy fills, tree-mask words, the capture of one graph
+and of a runner's set of graphs."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from tandem.attention import AttentionMetadata, GraphMetadata
+from tandem.kv import KVCache
+
+if TYPE_CHECKING:  # triton is imported when a runner is built, never by importing this module
+    from tandem.attention.triton_backend import GraphAttention, TritonAttention
 
 WORD_BITS = 64
 
@@ -42,6 +51,85 @@ class Layout:
             spans[name] = (offset, size)
             offset += size
         return cls(spans=spans, total=offset)
+
+
+class Staging:
+    """The pinned host buffer (on CUDA) a runner writes a step's packed inputs into, grown on
+    demand, and the one non-blocking copy to the device per step; the copy's event keeps the
+    next step from rewriting the buffer before the copy has read it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on_cuda = device.type == "cuda"
+        self._host = torch.zeros(0, dtype=torch.int64)
+        self._copied = torch.cuda.Event() if self.on_cuda else None
+
+    def host(self, total: int) -> np.ndarray:  # [>= total] int64
+        """The buffer to write, once the last step's copy has read it."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._host.numel() < total:
+            self._host = torch.zeros(total, dtype=torch.int64, pin_memory=self.on_cuda)
+        return self._host.numpy()
+
+    def upload(self, inputs: torch.Tensor, total: int) -> None:
+        """Copies the first ``total`` elements into ``inputs`` (on the device)."""
+        inputs[:total].copy_(self._host[:total], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
+def placeholder_metadata(kv: KVCache) -> AttentionMetadata:
+    """A forward context's metadata in a captured region, never read: the bucket's
+    ``GraphAttention`` reads its static buffers instead."""
+    device = kv.k_caches[0].device
+    return AttentionMetadata.build(
+        page_size=kv.spec.page_size,
+        query_lens=[],
+        seq_lens=[],
+        page_table=torch.zeros(0, 0, dtype=torch.int32, device=device),
+        slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
+    )
+
+
+def graph_attention(
+    attention: TritonAttention,
+    kv: KVCache,
+    *,
+    num_heads: int,
+    batch_size: int,  # the bucket's requests (the split count's occupancy estimate)
+    width: int,
+    max_pages: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor | None,
+    tree_mask: torch.Tensor | None,
+    page_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> GraphAttention:
+    """A bucket's attention backend over its static buffers: ``attention``'s split policy for
+    the longest context the bucket may see (``max_pages``), its batch invariance."""
+    from tandem.attention.triton_backend import GraphAttention
+
+    meta = GraphMetadata(
+        page_size=kv.spec.page_size,
+        width=width,
+        num_splits=attention.graph_splits(
+            batch_size=batch_size,
+            width=width,
+            num_heads=num_heads,
+            num_kv_heads=kv.spec.num_kv_heads,
+            head_dim=kv.spec.head_dim,
+            max_kv_len=max_pages * kv.spec.page_size,
+            device=kv.k_caches[0].device,
+        ),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        prefix_lens=prefix_lens,
+        tree_mask=tree_mask,
+        page_table=page_table,
+        slot_mapping=slot_mapping,
+    )
+    return GraphAttention(meta, batch_invariant=attention.batch_invariant)
 
 
 def page_table_elements(batch_size: int, max_pages: int) -> int:
@@ -97,3 +185,38 @@ def capture_graph(
         ):
             forward()
     return graph
+
+
+def capture_all(
+    device: torch.device,
+    jobs: Sequence[tuple[str, Callable[[], None], Callable[[], None]]],  # what, stage, forward
+    log: logging.Logger,
+    label: str,
+    summary: str,
+) -> list[torch.cuda.CUDAGraph]:
+    """Captures one graph per job, in order, into one pool (largest first, so that the others
+    reuse its memory): ``stage`` fills the graph's static inputs (padding only: a capture
+    touches no live KV), then ``forward`` is captured (``capture_graph``). Logs ``"<label>
+    k/n: <what> in t s"`` per graph and ``"captured <summary> in t s: MiB taken, GiB free of
+    total"`` at the end."""
+    torch.cuda.synchronize(device)
+    free_before, total = torch.cuda.mem_get_info(device)
+    pool = torch.cuda.graph_pool_handle()
+    started = time.perf_counter()
+    graphs = []
+    for k, (what, stage, forward) in enumerate(jobs, 1):
+        t0 = time.perf_counter()
+        stage()
+        graphs.append(capture_graph(device, pool, forward))
+        log.info("%s %d/%d: %s in %.2f s", label, k, len(jobs), what, time.perf_counter() - t0)
+    torch.cuda.synchronize(device)
+    free_after, _ = torch.cuda.mem_get_info(device)
+    log.info(
+        "captured %s in %.1f s: %.0f MiB, %.1f of %.1f GiB free",
+        summary,
+        time.perf_counter() - started,
+        (free_before - free_after) / 2**20,
+        free_after / 2**30,
+        total / 2**30,
+    )
+    return graphs

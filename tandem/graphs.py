@@ -32,7 +32,6 @@ feature layers (a remote draft announces them when it connects) recaptures every
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -40,14 +39,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.attention import AttentionMetadata, GraphMetadata
 from tandem.graph_buffers import (
     WORD_BITS,
     Bucket,
     Layout,
-    capture_graph,
+    Staging,
+    capture_all,
+    graph_attention,
     mask_words,
     page_table_elements,
+    placeholder_metadata,
     write_page_table,
 )
 from tandem.kv import KVCache
@@ -144,11 +145,8 @@ class TargetGraphRunner:
         self.max_pages = -(-(max_model_len + self.widths[-1]) // page_size)
         layouts = {b: _layout(b, self.num_words, self.max_pages) for b in self.buckets}
         size = max(layout.total for layout in layouts.values())
-        on_cuda = self.device.type == "cuda"
-        self._staging = torch.zeros(size, dtype=torch.int64, pin_memory=on_cuda)
-        self._staging_np = self._staging.numpy()
+        self._staging = Staging(self.device)
         self._inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
-        self._copied = torch.cuda.Event() if on_cuda else None  # the staging may be rewritten
         c = model.config
         max_tokens = self.batch_sizes[-1] * self.widths[-1]
         self._logits = torch.zeros(max_tokens, c.vocab_size, device=self.device)
@@ -157,14 +155,7 @@ class TargetGraphRunner:
         self.replays: dict[Bucket, int] = {}  # steps run per bucket (graph or eager static)
         self.num_captures = 0  # rounds of capture (one at start, one per change of layers)
         self._entries = {b: self._entry(b, layouts[b]) for b in self.buckets}
-        # The context's metadata, never read: GraphAttention reads its bucket's buffers.
-        self._placeholder = AttentionMetadata.build(
-            page_size=page_size,
-            query_lens=[],
-            seq_lens=[],
-            page_table=torch.zeros(0, 0, dtype=torch.int32, device=self.device),
-            slot_mapping=torch.zeros(0, dtype=torch.int64, device=self.device),
-        )
+        self._placeholder = placeholder_metadata(kv)
 
     # -- planning (host only) ---------------------------------------------------------------
 
@@ -224,39 +215,23 @@ class TargetGraphRunner:
             return
         for entry in self._entries.values():
             entry.graph = None  # frees the old pool once every graph of it is gone
-        torch.cuda.synchronize(self.device)
-        free_before, total = torch.cuda.mem_get_info(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        started = time.perf_counter()
         order = sorted(self.buckets, key=lambda b: (b.num_tokens, b), reverse=True)
-        for k, bucket in enumerate(order, 1):
-            t0 = time.perf_counter()
-            entry = self._entries[bucket]
-            self._stage(entry, self._empty(bucket))
-            entry.graph = capture_graph(self.device, pool, partial(self._forward, entry))
-            logger.info(
-                "CUDA graph %d/%d: %d requests x %d rows in %.2f s",
-                k,
-                len(order),
-                bucket.batch_size,
-                bucket.width,
-                time.perf_counter() - t0,
+        jobs = [
+            (
+                f"{b.batch_size} requests x {b.width} rows",
+                partial(self._stage, self._entries[b], self._empty(b)),
+                partial(self._forward, self._entries[b]),
             )
-        torch.cuda.synchronize(self.device)
-        self.num_captures += 1
-        free_after, _ = torch.cuda.mem_get_info(self.device)
-        logger.info(
-            "captured %d CUDA graphs (batch sizes %s, widths %s, layers %s) in %.1f s: "
-            "%.0f MiB, %.1f of %.1f GiB free",
-            len(order),
-            self.batch_sizes,
-            self.widths,
-            list(self.layers),
-            time.perf_counter() - started,
-            (free_before - free_after) / 2**20,
-            free_after / 2**30,
-            total / 2**30,
+            for b in order
+        ]
+        summary = (
+            f"{len(order)} CUDA graphs (batch sizes {self.batch_sizes}, widths {self.widths}, "
+            f"layers {list(self.layers)})"
         )
+        graphs = capture_all(self.device, jobs, logger, "CUDA graph", summary)
+        for bucket, graph in zip(order, graphs, strict=True):
+            self._entries[bucket].graph = graph
+        self.num_captures += 1
 
     @property
     def captured(self) -> bool:
@@ -332,9 +307,8 @@ class TargetGraphRunner:
 
     def _stage(self, entry: _Entry, batch: GraphBatch) -> None:
         """Writes ``batch`` into the host staging buffer, then one copy to the device."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's copy has read the staging buffer
-        host, layout, bucket = self._staging_np, entry.layout, entry.bucket
+        layout, bucket = entry.layout, entry.bucket
+        host = self._staging.host(layout.total)
         values = {
             "input_ids": batch.input_ids,
             "positions": batch.positions,
@@ -352,35 +326,24 @@ class TargetGraphRunner:
         write_page_table(
             host, layout.spans["page_table"], self.max_pages, bucket.batch_size, batch.pages
         )
-        total = layout.total
-        self._inputs[:total].copy_(self._staging[:total], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._staging.upload(self._inputs, layout.total)
 
     # -- buffers ----------------------------------------------------------------------------
 
     def _entry(self, bucket: Bucket, layout: Layout) -> _Entry:
-        from tandem.attention.triton_backend import GraphAttention
-
         def view(name: str) -> torch.Tensor:
             offset, size = layout.spans[name]
             return self._inputs[offset : offset + size]
 
         bs, num_tokens = bucket.batch_size, bucket.num_tokens
         page_table = view("page_table").view(torch.int32)[: bs * self.max_pages]
-        c = self.model.config
-        meta = GraphMetadata(
-            page_size=self.kv.spec.page_size,
+        backend = graph_attention(
+            self.attention,
+            self.kv,
+            num_heads=self.model.config.num_heads,
+            batch_size=bs,
             width=bucket.width,
-            num_splits=self.attention.graph_splits(
-                batch_size=bs,
-                width=bucket.width,
-                num_heads=c.num_heads,
-                num_kv_heads=c.num_kv_heads,
-                head_dim=c.head_dim,
-                max_kv_len=self.max_pages * self.kv.spec.page_size,
-                device=self.device,
-            ),
+            max_pages=self.max_pages,
             query_start_loc=view("query_start_loc"),
             seq_lens=view("seq_lens"),
             prefix_lens=view("prefix_lens"),
@@ -391,7 +354,7 @@ class TargetGraphRunner:
         return _Entry(
             bucket=bucket,
             layout=layout,
-            backend=GraphAttention(meta, batch_invariant=self.attention.batch_invariant),
+            backend=backend,
             input_ids=view("input_ids"),
             positions=view("positions"),
             rows=view("rows"),

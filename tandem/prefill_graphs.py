@@ -28,7 +28,6 @@ the longest context (with ``EngineConfig.batch_invariant`` neither changes a row
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -36,8 +35,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.attention import AttentionMetadata, GraphMetadata
-from tandem.graph_buffers import Layout, capture_graph, page_table_elements, write_page_table
+from tandem.graph_buffers import (
+    Layout,
+    Staging,
+    capture_all,
+    graph_attention,
+    page_table_elements,
+    placeholder_metadata,
+    write_page_table,
+)
 from tandem.kv import KVCache
 from tandem.models import DecoderLM, ForwardContext
 
@@ -118,25 +124,15 @@ class PrefillGraphRunner:
         self.max_pages = -(-max_model_len // kv.spec.page_size)
         layouts = {w: _layout(w, self.max_pages) for w in self.widths}
         size = max(layout.total for layout in layouts.values())
-        on_cuda = self.device.type == "cuda"
-        self._staging = torch.zeros(size, dtype=torch.int64, pin_memory=on_cuda)
-        self._staging_np = self._staging.numpy()
+        self._staging = Staging(self.device)
         self._inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
-        self._copied = torch.cuda.Event() if on_cuda else None  # the staging may be rewritten
         self._logits = torch.zeros(1, model.config.vocab_size, device=self.device)
         self._features: torch.Tensor | None = None  # [max width, F] once layers are known
         self.layers: tuple[int, ...] = ()
         self.replays: dict[int, int] = {}  # chunks run per width (graph or eager static)
         self.num_captures = 0
         self._entries = {w: self._entry(w, layouts[w]) for w in self.widths}
-        # The context's metadata, never read: GraphAttention reads its width's buffers.
-        self._placeholder = AttentionMetadata.build(
-            page_size=kv.spec.page_size,
-            query_lens=[],
-            seq_lens=[],
-            page_table=torch.zeros(0, 0, dtype=torch.int32, device=self.device),
-            slot_mapping=torch.zeros(0, dtype=torch.int64, device=self.device),
-        )
+        self._placeholder = placeholder_metadata(kv)
 
     def plan(
         self, request_id: str, start: int, tokens: Sequence[int], *, last: bool
@@ -174,36 +170,22 @@ class PrefillGraphRunner:
             return
         for entry in self._entries.values():
             entry.graph = None  # frees the old pool once every graph of it is gone
-        torch.cuda.synchronize(self.device)
-        free_before, total = torch.cuda.mem_get_info(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        started = time.perf_counter()
-        for k, width in enumerate(reversed(self.widths), 1):
-            t0 = time.perf_counter()
-            entry = self._entries[width]
-            self._stage(entry, self._empty(width))
-            entry.graph = capture_graph(self.device, pool, partial(self._forward, entry))
-            logger.info(
-                "prefill CUDA graph %d/%d: %d tokens in %.2f s",
-                k,
-                len(self.widths),
-                width,
-                time.perf_counter() - t0,
+        order = self.widths[::-1]
+        jobs = [
+            (
+                f"{w} tokens",
+                partial(self._stage, self._entries[w], self._empty(w)),
+                partial(self._forward, self._entries[w]),
             )
-        torch.cuda.synchronize(self.device)
-        self.num_captures += 1
-        free_after, _ = torch.cuda.mem_get_info(self.device)
-        logger.info(
-            "captured %d prefill CUDA graphs (tokens %s, layers %s) in %.1f s: "
-            "%.0f MiB, %.1f of %.1f GiB free",
-            len(self.widths),
-            self.widths,
-            list(self.layers),
-            time.perf_counter() - started,
-            (free_before - free_after) / 2**20,
-            free_after / 2**30,
-            total / 2**30,
+            for w in order
+        ]
+        summary = (
+            f"{len(order)} prefill CUDA graphs (tokens {self.widths}, layers {list(self.layers)})"
         )
+        graphs = capture_all(self.device, jobs, logger, "prefill CUDA graph", summary)
+        for width, graph in zip(order, graphs, strict=True):
+            self._entries[width].graph = graph
+        self.num_captures += 1
 
     @property
     def captured(self) -> bool:
@@ -244,9 +226,8 @@ class PrefillGraphRunner:
 
     def _stage(self, entry: _Entry, batch: PrefillBatch) -> None:
         """Writes ``batch`` into the host staging buffer, then one copy to the device."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the last chunk's copy has read the staging buffer
-        host, layout, width, n = self._staging_np, entry.layout, entry.width, batch.num_tokens
+        layout, width, n = entry.layout, entry.width, batch.num_tokens
+        host = self._staging.host(layout.total)
         values = {
             "input_ids": batch.input_ids,
             "positions": batch.positions,
@@ -260,35 +241,24 @@ class PrefillGraphRunner:
             offset, size = layout.spans[name]
             host[offset : offset + size] = value
         write_page_table(host, layout.spans["page_table"], self.max_pages, 2, [batch.pages])
-        total = layout.total
-        self._inputs[:total].copy_(self._staging[:total], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._staging.upload(self._inputs, layout.total)
 
     def _entry(self, width: int, layout: Layout) -> _Entry:
-        from tandem.attention.triton_backend import GraphAttention
-
         def view(name: str) -> torch.Tensor:
             offset, size = layout.spans[name]
             return self._inputs[offset : offset + size]
 
         page_table = view("page_table").view(torch.int32)[: 2 * self.max_pages]
-        c = self.model.config
-        meta = GraphMetadata(
-            page_size=self.kv.spec.page_size,
+        backend = graph_attention(
+            self.attention,
+            self.kv,
+            num_heads=self.model.config.num_heads,
+            batch_size=1,
             width=width,
-            num_splits=self.attention.graph_splits(
-                batch_size=1,
-                width=width,
-                num_heads=c.num_heads,
-                num_kv_heads=c.num_kv_heads,
-                head_dim=c.head_dim,
-                max_kv_len=self.max_pages * self.kv.spec.page_size,
-                device=self.device,
-            ),
+            max_pages=self.max_pages,
             query_start_loc=view("query_start_loc"),
             seq_lens=view("seq_lens"),
-            prefix_lens=None,
+            prefix_lens=None,  # causal
             tree_mask=None,
             page_table=page_table.view(2, self.max_pages),
             slot_mapping=view("slot_mapping"),
@@ -296,7 +266,7 @@ class PrefillGraphRunner:
         return _Entry(
             width=width,
             layout=layout,
-            backend=GraphAttention(meta, batch_invariant=self.attention.batch_invariant),
+            backend=backend,
             input_ids=view("input_ids"),
             positions=view("positions"),
             last_row=view("last_row"),

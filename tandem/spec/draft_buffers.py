@@ -10,12 +10,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.attention import AttentionMetadata, GraphMetadata
+from tandem.attention import AttentionMetadata
 from tandem.graph_buffers import (
     WORD_BITS,
     Bucket,
     Layout,
+    Staging,
+    graph_attention,
     page_table_elements,
+    placeholder_metadata,
     write_page_table,
 )
 from tandem.kv import KVCache
@@ -68,17 +71,11 @@ class StaticInputs:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.on_cuda = device.type == "cuda"
-        self._host = torch.zeros(0, dtype=torch.int64)
-        self._copied = torch.cuda.Event() if self.on_cuda else None
+        self._staging = Staging(device)
 
     def stage(self, entry: _Entry, staged: Staged) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's copy has read the staging buffer
         total = entry.layout.total
-        if self._host.numel() < total:
-            self._host = torch.zeros(total, dtype=torch.int64, pin_memory=self.on_cuda)
-        host = self._host.numpy()
+        host = self._staging.host(total)
         for name, values in staged.ints.items():
             offset, size = entry.layout.spans[name]
             assert len(values) == size, f"{name}: {len(values)} values for {size}"
@@ -86,9 +83,7 @@ class StaticInputs:
         for name, rows in staged.pages.items():
             span = entry.layout.spans[name]
             write_page_table(host, span, entry.max_pages, entry.bucket.batch_size, rows)
-        entry.inputs.copy_(self._host[:total], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._staging.upload(entry.inputs, total)
 
 
 def _views(layout: Layout, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -107,40 +102,20 @@ def _backend(
     heads: int,
     attention: TritonAttention,
 ) -> GraphAttention:
-    from tandem.attention.triton_backend import GraphAttention
-
     bs, width = bucket.batch_size, bucket.width
-    table = views[pages].view(torch.int32)[: bs * max_pages].view(bs, max_pages)
-    meta = GraphMetadata(
-        page_size=kv.spec.page_size,
+    return graph_attention(
+        attention,
+        kv,
+        num_heads=heads,
+        batch_size=bs,
         width=width,
-        num_splits=attention.graph_splits(
-            batch_size=bs,
-            width=width,
-            num_heads=heads,
-            num_kv_heads=kv.spec.num_kv_heads,
-            head_dim=kv.spec.head_dim,
-            max_kv_len=max_pages * kv.spec.page_size,
-            device=kv.k_caches[0].device,
-        ),
+        max_pages=max_pages,
         query_start_loc=views[f"qsl{tag}"],
         seq_lens=views[f"seq{tag}"],
         prefix_lens=views[f"prefix{tag}"],
         tree_mask=views[f"mask{tag}"].view(bs * width, words),
-        page_table=table,
+        page_table=views[pages].view(torch.int32)[: bs * max_pages].view(bs, max_pages),
         slot_mapping=views[f"slots{tag}"],
-    )
-    return GraphAttention(meta)
-
-
-def _placeholder(kv: KVCache) -> AttentionMetadata:
-    device = kv.k_caches[0].device
-    return AttentionMetadata.build(
-        page_size=kv.spec.page_size,
-        query_lens=[],
-        seq_lens=[],
-        page_table=torch.zeros(0, 0, dtype=torch.int32, device=device),
-        slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
     )
 
 
@@ -208,7 +183,7 @@ def build_loop_entry(
         layout=layout,
         inputs=inputs,
         max_pages=max_pages,
-        placeholder=_placeholder(drafter.kvs[0]),
+        placeholder=placeholder_metadata(drafter.kvs[0]),
         empty=empty,
         schedule=schedule,
         base=views["base"],
@@ -260,7 +235,7 @@ def build_extend_entry(
         layout=layout,
         inputs=inputs,
         max_pages=max_pages,
-        placeholder=_placeholder(drafter.kvs[0]),
+        placeholder=placeholder_metadata(drafter.kvs[0]),
         empty=empty,
         modules=buffers,
         rows=views["rows"],

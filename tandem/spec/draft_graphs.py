@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import kernels
-from tandem.graph_buffers import Bucket, capture_graph
+from tandem.graph_buffers import Bucket, capture_all
 from tandem.models import ForwardContext
 from tandem.spec.draft_buffers import (
     ExtendEntry,
@@ -297,38 +297,20 @@ class DraftGraphRunner:
             self._capture(num_steps, new)
 
     def _capture(self, num_steps: int, entries: list[LoopEntry | ExtendEntry]) -> None:
-        torch.cuda.synchronize(self.device)
-        free_before, total = torch.cuda.mem_get_info(self.device)
-        pool = torch.cuda.graph_pool_handle()  # one per S: its buckets replay one at a time
-        started = time.perf_counter()
-        order = sorted(entries, key=lambda e: e.bucket, reverse=True)
-        for k, entry in enumerate(order, 1):
-            t0 = time.perf_counter()
-            kind = "loop" if isinstance(entry, LoopEntry) else "extend"
-            self.static.stage(entry, entry.empty)
-            entry.graph = capture_graph(self.device, pool, partial(self._forward, entry))
-            logger.info(
-                "draft CUDA graph %d/%d (%s, S=%d): %d requests in %.2f s",
-                k,
-                len(order),
-                kind,
-                num_steps,
-                entry.bucket.batch_size,
-                time.perf_counter() - t0,
+        order = sorted(entries, key=lambda e: e.bucket, reverse=True)  # one pool per S
+        jobs = [
+            (
+                f"{'loop' if isinstance(e, LoopEntry) else 'extend'}, S={num_steps}, "
+                f"{e.bucket.batch_size} requests",
+                partial(self.static.stage, e, e.empty),
+                partial(self._forward, e),
             )
-        torch.cuda.synchronize(self.device)
-        free_after, _ = torch.cuda.mem_get_info(self.device)
-        logger.info(
-            "captured %d draft CUDA graphs (S=%d, batch sizes %s) in %.1f s: "
-            "%.0f MiB, %.1f of %.1f GiB free",
-            len(order),
-            num_steps,
-            self.batch_sizes,
-            time.perf_counter() - started,
-            (free_before - free_after) / 2**20,
-            free_after / 2**30,
-            total / 2**30,
-        )
+            for e in order
+        ]
+        summary = f"{len(order)} draft CUDA graphs (S={num_steps}, batch sizes {self.batch_sizes})"
+        graphs = capture_all(self.device, jobs, logger, "draft CUDA graph", summary)
+        for entry, graph in zip(order, graphs, strict=True):
+            entry.graph = graph
 
     def _forward(self, entry: LoopEntry | ExtendEntry) -> None:
         if isinstance(entry, LoopEntry):
