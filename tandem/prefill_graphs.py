@@ -138,13 +138,17 @@ class PrefillGraphRunner:
         self, request_id: str, start: int, tokens: Sequence[int], *, last: bool
     ) -> PrefillBatch | None:
         """The chunk ``tokens`` at KV indices and positions ``start ..`` in the smallest width
-        that holds it (None when none does); its slots must be reserved already."""
+        that holds it (None when none does, or when the request holds more pages than a page
+        table row of ``max_model_len`` tokens); its slots must be reserved already."""
         n = len(tokens)
         width = next((w for w in self.widths if w >= n), None)
         if width is None or n == 0:
             return None
         pad = width - n
         alloc = self.kv.allocator
+        pages = alloc.pages(request_id)
+        if len(pages) > self.max_pages:  # capacity reserved past the context: run it eagerly
+            return None
         return PrefillBatch(
             width=width,
             input_ids=[*tokens, *[0] * pad],
@@ -152,7 +156,7 @@ class PrefillGraphRunner:
             slot_mapping=[*alloc.slot_mapping(request_id, start, start + n), *[-1] * pad],
             seq_len=start + n,
             num_tokens=n,
-            pages=alloc.pages(request_id),
+            pages=pages,
             last=last,
         )
 

@@ -146,6 +146,8 @@ def test_plan_pads_the_chunk(ckpts: dict[str, Path]) -> None:
     assert chunk.seq_len == 11 and chunk.pages == alloc.pages("r")
     assert runner.plan("r", 0, list(range(9)), last=True) is None  # wider than every width
     assert runner.plan("r", 0, [], last=True) is None
+    alloc.extend("r", 64)  # capacity past the 64-token context: no page table row holds it
+    assert runner.plan("r", 5, [21, 22], last=True) is None
 
 
 def test_a_chunk_run_changes_nothing_it_reads(ckpts: dict[str, Path]) -> None:
