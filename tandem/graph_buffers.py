@@ -19,6 +19,7 @@ from tandem.kv import KVCache
 
 if TYPE_CHECKING:  # triton is imported when a runner is built, never by importing this module
     from tandem.attention.triton_backend import GraphAttention, TritonAttention
+    from tandem.models import DecoderLM
 
 WORD_BITS = 64
 
@@ -130,6 +131,16 @@ def graph_attention(
         slot_mapping=slot_mapping,
     )
     return GraphAttention(meta, batch_invariant=attention.batch_invariant)
+
+
+def features_buffer(
+    model: DecoderLM, layers: Sequence[int], rows: int, device: torch.device
+) -> torch.Tensor | None:  # [rows, len(layers) * hidden]
+    """Where a runner's graphs write the target features of ``layers`` (None without any)."""
+    if not layers:
+        return None
+    size = len(layers) * model.config.hidden_size
+    return torch.zeros(rows, size, dtype=model.embed_tokens.weight.dtype, device=device)
 
 
 def page_table_elements(batch_size: int, max_pages: int) -> int:

@@ -45,6 +45,7 @@ from tandem.graph_buffers import (
     Layout,
     Staging,
     capture_all,
+    features_buffer,
     graph_attention,
     mask_words,
     page_table_elements,
@@ -206,11 +207,7 @@ class TargetGraphRunner:
         """Sets the target layers whose features every step returns, and (with graphs) captures
         every bucket for them, largest first so that smaller graphs reuse the pool."""
         self.layers = tuple(layers)
-        self._features = None
-        if self.layers:
-            width = len(self.layers) * self.model.config.hidden_size
-            dtype = self.model.embed_tokens.weight.dtype
-            self._features = torch.zeros(len(self._logits), width, dtype=dtype, device=self.device)
+        self._features = features_buffer(self.model, self.layers, len(self._logits), self.device)
         if not self.use_graphs:
             return
         for entry in self._entries.values():

@@ -39,6 +39,7 @@ from tandem.graph_buffers import (
     Layout,
     Staging,
     capture_all,
+    features_buffer,
     graph_attention,
     page_table_elements,
     placeholder_metadata,
@@ -165,11 +166,7 @@ class PrefillGraphRunner:
         """Sets the target layers whose features a chunk returns and (with graphs) captures
         every width for them, widest first so that narrower graphs reuse the pool."""
         self.layers = tuple(layers)
-        self._features = None
-        if self.layers:
-            size = len(self.layers) * self.model.config.hidden_size
-            dtype = self.model.embed_tokens.weight.dtype
-            self._features = torch.zeros(self.widths[-1], size, dtype=dtype, device=self.device)
+        self._features = features_buffer(self.model, self.layers, self.widths[-1], self.device)
         if not self.use_graphs:
             return
         for entry in self._entries.values():

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from tandem.prefill_graphs import PrefillBatch, PrefillGraphRunner
 from tandem.scheduler import ScheduledBatch
 from tandem.spec.types import Tree
 from tandem.transfer import device_ints
+
+if TYPE_CHECKING:  # triton is imported when graphs are enabled, never by importing this module
+    from tandem.attention.triton_backend import TritonAttention
 
 
 @dataclass(kw_only=True)
@@ -71,16 +75,13 @@ class ModelRunner:
     ) -> TargetGraphRunner:
         """Runs decode/verify steps that fit a bucket through CUDA graphs, captured now
         (``capture=False``: the same static buffers run eagerly, on any device)."""
-        from tandem.attention.triton_backend import TritonAttention  # imports triton
-
-        attention = self.backend if isinstance(self.backend, TritonAttention) else None
         self.graphs = TargetGraphRunner(
             self.model,
             self.kv,
             batch_sizes=batch_sizes,
             widths=widths,
             max_model_len=max_model_len,
-            attention=attention,
+            attention=self._triton_attention(),
             capture=capture,
         )
         self.graphs.capture(capture_layers)
@@ -96,19 +97,23 @@ class ModelRunner:
     ) -> PrefillGraphRunner:
         """Runs a prompt chunk alone in its step through the CUDA graph of the smallest of
         ``widths`` that holds it, captured now (``capture=False``: eager static buffers)."""
-        from tandem.attention.triton_backend import TritonAttention  # imports triton
-
-        attention = self.backend if isinstance(self.backend, TritonAttention) else None
         self.prefill_graphs = PrefillGraphRunner(
             self.model,
             self.kv,
             widths=widths,
             max_model_len=max_model_len,
-            attention=attention,
+            attention=self._triton_attention(),
             capture=capture,
         )
         self.prefill_graphs.capture(capture_layers)
         return self.prefill_graphs
+
+    def _triton_attention(self) -> TritonAttention | None:
+        """The eager backend when it is Triton's: graphs take its split policy and batch
+        invariance (None on CPU, where the runners build their own for the interpreter)."""
+        from tandem.attention.triton_backend import TritonAttention  # imports triton
+
+        return self.backend if isinstance(self.backend, TritonAttention) else None
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         trees: list[Tree | None] = []
