@@ -16,7 +16,10 @@ request (logged, listed in ``dropped_request_ids``): nothing else is disturbed.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+# Benchmarks: with this set, every step is appended there as one JSON line (``StepLog``).
+ENV_STEP_LOG = "TANDEM_DRAFT_STEP_LOG"
 _MAX_ITEMSIZE = 8  # bytes per feature element at most (float64): caps a tensor by its shape
 
 
@@ -70,9 +75,11 @@ class _Session:
         self.max_spec = max_spec
         self.pending: dict[str, _Pending] = {}
         self.lengths: dict[str, int] = {}  # complete requests -> committed tokens
-        # A local stream's shared prompt buffer (draft_service/chain.py): (offset, bytes) ->
-        # a copy of them. None: prompt frames must carry their bytes.
+        # A local stream's shared buffer (draft_service/chain.py): (offset, bytes) -> a copy
+        # of them. None: prompt and outcome frames must carry their bytes.
         self.shared: Callable[[int, int], torch.Tensor] | None = None
+        # Waits for the copies ``shared`` queued: called before each answer leaves.
+        self.settle: Callable[[], None] | None = None
 
     def apply(self, request: draft_pb2.SpeculateRequest) -> _Work:
         work = _Work()
@@ -172,6 +179,7 @@ class _Session:
             path=path,
             vocab_size=self.info.target_vocab_size,
             feature_size=self.info.feature_size,
+            shared=self.shared,
         )
         if self.info.target_layer_ids and outcome.features is None:
             raise InvalidRequest(f"{path}.hidden_states", "this draft needs the path's features")
@@ -197,7 +205,7 @@ class _Session:
                 outcome.bonus_token_id,
             ]
             if admit.features is not None and outcome.features is not None:
-                rows = outcome.features.to(admit.features.dtype)
+                rows = outcome.features.to(admit.features)  # its dtype and device
                 admit.features = torch.cat([admit.features, rows])  # [len(token_ids) - 1, F]
         self.lengths[admit.request_id] = len(admit.token_ids)
         return admit
@@ -218,6 +226,53 @@ class _Session:
             vocab_size=self.info.target_vocab_size,
             feature_size=self.info.feature_size if self.info.target_layer_ids else None,
         )
+
+
+class StepLog:
+    """Each step's timings as one JSON line (``ENV_STEP_LOG``): ``monotonicNs``, the
+    ``time.monotonic_ns()`` its answer was built at (one clock for every process on the host,
+    as the benchmark target's step log), the work (requests drafted, admits, outcomes and
+    their rows) and where the time went: ``applyNs`` taking the message in (outcome features
+    read from the shared buffer included), ``stepNs`` the drafter's step, of which ``modelNs``
+    in the model, ``totalNs`` from the message's arrival to its answer. ``wire`` in the
+    target's StepStats, less this ``totalNs - modelNs``, is the transport and the target's own
+    side of the exchange."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
+
+    @classmethod
+    def from_env(cls) -> StepLog | None:
+        path = os.environ.get(ENV_STEP_LOG)
+        return cls(path) if path else None
+
+    def write(
+        self,
+        request: draft_pb2.SpeculateRequest,
+        work: _Work,
+        result: StepResult,
+        response: draft_pb2.SpeculateResponse,
+    ) -> None:
+        record = {
+            "monotonicNs": time.monotonic_ns(),
+            "stepId": request.step_id,
+            "lane": request.lane_id,
+            "requests": len(result.trees),
+            "admits": len(work.admits),
+            "outcomes": len(work.outcomes),
+            "rows": sum(len(o.accepted_token_ids) + 1 for o in work.outcomes),
+            "applyNs": response.extend_ns,
+            "stepNs": response.draft_ns,
+            "modelNs": response.model_ns,
+            "totalNs": response.total_ns,
+        }
+        with self._lock:
+            self._file.write(json.dumps(record) + "\n")
+
+
+_STEP_LOG = StepLog.from_env()
 
 
 class StreamSteps:
@@ -248,6 +303,8 @@ class StreamSteps:
     def finish(
         self, request: draft_pb2.SpeculateRequest, work: _Work, result: StepResult
     ) -> draft_pb2.SpeculateResponse:
+        if self.session.settle is not None:
+            self.session.settle()  # the target may reuse the shared regions once answered
         self.session.forget(result.dropped)
         self.spans.ended([*work.dropped, *result.dropped], "dropped")
         response = draft_pb2.SpeculateResponse(
@@ -268,6 +325,8 @@ class StreamSteps:
             response.hello.CopyFrom(self.servicer.hello(self.info))
             self._first = False
         response.total_ns = time.perf_counter_ns() - self._received
+        if _STEP_LOG is not None:
+            _STEP_LOG.write(request, work, result, response)
         self.servicer.metrics.stepped(
             result.trees.values(), response.total_ns / 1e9, request.lane_id
         )

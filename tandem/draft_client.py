@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 import torch
 
 from tandem import transfer
-from tandem.draft_stream import StreamState
+from tandem.draft_stream import StreamState, shares_outcomes
 from tandem.draft_streams import DraftState, DraftStreams, Sent, Waiter
 from tandem.local_stream import LocalLink
 from tandem.security import ClientTLS
@@ -230,19 +230,24 @@ class RemoteDrafter(DraftStreams, Drafter):
     ) -> _Submission:
         """Sends the step from this thread, or hands it to the loop: while its features are
         still being copied, while an earlier step waits there, and for a step with prompts
-        (admits, or prompt frames still to send), whose build and write take the engine thread
-        milliseconds at large batches."""
+        (admits, or prompt frames still to send) or outcome features for the draft's buffer,
+        whose build and write take the engine thread milliseconds at large batches (writing
+        into the buffer waits for the device)."""
         if link.broken is not None:
             self._local_lost(link)
             self._report_dropped([a.request_id for a in admits])
             return _Submission(0, deadline, None)
         link.drain()  # a late answer that has come in no longer holds this step back
-        if link.ring is not None:  # prompts go through the draft's buffer, from the device
-            _, outcomes, copied = self._features_to_host([], outcomes, link.stream)
-        else:
+        # With the draft's buffer, prompts go through it from the device, and so do a step's
+        # outcome features when there are enough of them (written there on the loop).
+        shared = link.ring is not None and shares_outcomes(outcomes)
+        copied = None
+        if link.ring is None:
             admits, outcomes, copied = self._features_to_host(admits, outcomes, link.stream)
+        elif not shared:
+            _, outcomes, copied = self._features_to_host([], outcomes, link.stream)
         self._deferred = [f for f in self._deferred if not f.done()]
-        prompts = bool(admits) or bool(link.stream.outbox)
+        prompts = bool(admits) or bool(link.stream.outbox) or shared
         if not prompts and not self._deferred and (copied is None or _done_soon(copied)):
             deadline_ns = int(self.deadline_s * 1e9)
             step_id, wanted = link.send(lane, admits, outcomes, released, deadline_ns)
@@ -250,7 +255,7 @@ class RemoteDrafter(DraftStreams, Drafter):
                 self._local_lost(link)
             return _Submission(step_id, deadline, None, link=link, wanted=wanted)
         sending = self._submit(
-            self._send_local(link, lane, list(admits), outcomes, list(released), copied)
+            self._send_local(link, lane, list(admits), list(outcomes), list(released), copied)
         )
         self._deferred.append(sending)
         return _Submission(0, deadline, None, sending, link=link)

@@ -6,20 +6,29 @@ new admits queued in order, outcomes (merged into the admit when the admit has n
 an admit of L tokens plus an outcome of k accepted tokens is the admit of L + k + 1 tokens) and
 as many prompt frames as fit in one message; an admit leaves with its first frame and the rest
 follow in the next messages, whatever their lane (the draft applies messages in stream order).
-Features travel in the dtype the draft asked for. A new stream starts with a new state.
+Features travel in the dtype the draft asked for. With a buffer the draft shares
+(``tandem.prompt_ring``), a step's outcome features of ``SHARED_OUTCOME_BYTES`` or more are
+written into it together (from the device: the draft client leaves them there), one frame
+each naming where; without room they go inline. A new stream starts with a new state.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from tandem import wire
+from tandem import transfer, wire
+from tandem.spec.hold import nbytes
 from tandem.spec.types import DraftAdmit, VerifyOutcome
 from tandem.v1 import draft_pb2
+
+# A step's outcome features that go through a buffer the draft shares rather than inline: a
+# large batch's step (32 requests: about 3 MiB for an 8B EAGLE-3 head) and the runs K=0 held,
+# sent when speculation resumes. Serialised, 16 MiB took the engine thread 16-35 ms.
+SHARED_OUTCOME_BYTES = 1 << 20
 
 
 class StreamState:
@@ -29,8 +38,9 @@ class StreamState:
         self.hidden_dtype = hidden_dtype
         self.tracked: dict[str, int] = {}  # request id -> committed tokens (draft's count)
         # A local stream with the draft's prompt buffer (``tandem.prompt_ring.PromptRing``):
-        # (step id, features) -> their frame once written there, None when it has no room.
-        self.stage: Callable[[int, torch.Tensor], wire.EncodedFrame | None] | None = None
+        # (step id, tensors) -> their frames once written there, None when it has no room.
+        self.stage: Callable[[int, list[torch.Tensor]], list[wire.EncodedFrame] | None] | None
+        self.stage = None
         # Prompts not fully sent, in admission order: an admit not sent yet, or the frames
         # still to send of one that was.
         self.outbox: dict[str, DraftAdmit | deque[wire.EncodedFrame]] = {}
@@ -59,6 +69,8 @@ class StreamState:
             self.outbox.pop(admit.request_id, None)
             self.outbox[admit.request_id] = admit
             self.tracked[admit.request_id] = len(admit.token_ids)
+        share = self.stage is not None and shares_outcomes(outcomes)
+        staged: list[tuple[draft_pb2.VerifyOutcome, torch.Tensor]] = []
         for outcome in outcomes:
             request_id = outcome.request_id
             if request_id not in self.tracked:
@@ -68,12 +80,17 @@ class StreamState:
             if isinstance(queued, DraftAdmit):
                 self.outbox[request_id] = queued.then(outcome)
                 continue
-            wire.outcome_to_proto(
-                replace(outcome, features=self._cast(outcome.features)),
+            features = self._cast(outcome.features)
+            msg = wire.outcome_to_proto(
+                replace(outcome, features=None if share else features),
                 self.tracked[request_id],
                 max_frame_bytes=self.frame_bytes,
                 into=request.outcomes.add(),
             )
+            if share and features is not None:
+                staged.append((msg, features))
+        if staged:
+            self._share_outcomes(request.step_id, staged)
         if self.outbox:  # (sizing the message takes ~0.1 ms at 8 requests)
             self._add_prompts(message)
         return message
@@ -106,20 +123,41 @@ class StreamState:
                 return  # the rest follows in the next message
             del self.outbox[request_id]
 
+    def _share_outcomes(
+        self, step_id: int, outcomes: list[tuple[draft_pb2.VerifyOutcome, torch.Tensor]]
+    ) -> None:
+        """Outcome features written into the draft's buffer in one copy, each outcome's frame
+        naming where its rows lie; inline (from the host) when it has no room."""
+        features = [f for _, f in outcomes]
+        frames = None if self.stage is None else self.stage(step_id, features)
+        if frames is None:
+            for (msg, _), host in zip(outcomes, transfer.read_host(*features), strict=True):
+                for frame in wire.encode_frames(wire.HIDDEN_STATES, host, self.frame_bytes):
+                    frame.add_to(msg.hidden_states)
+            return
+        for (msg, _), frame in zip(outcomes, frames, strict=True):
+            frame.add_to(msg.hidden_states)
+
     def _frames(self, step_id: int, features: torch.Tensor | None) -> list[wire.EncodedFrame]:
         """A prompt's frames: one naming where it lies in the draft's prompt buffer, or its
         bytes inline (from the host)."""
         if features is None:
             return []
         if self.stage is not None:
-            shared = self.stage(step_id, features)
+            shared = self.stage(step_id, [features])
             if shared is not None:
-                return [shared]
+                return shared
         return wire.encode_frames(wire.HIDDEN_STATES, features.cpu(), self.frame_bytes)
 
     def _cast(self, features: torch.Tensor | None) -> torch.Tensor | None:
         """Features in the dtype the draft asked for (bf16 halves the bytes on the wire)."""
         return None if features is None else features.to(self.hidden_dtype)
+
+
+def shares_outcomes(outcomes: Sequence[VerifyOutcome]) -> bool:
+    """Whether a step's outcome features go through a buffer the draft shares (when there is
+    one): ``SHARED_OUTCOME_BYTES`` of them or more."""
+    return sum(nbytes(o.features) for o in outcomes) >= SHARED_OUTCOME_BYTES
 
 
 _PROMPT_FRAMES = wire.length_tag(draft_pb2.SpeculateRequest, "prompt_frames")

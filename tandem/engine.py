@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 # Without a size, a CPU pool gets this budget (capped by what max_num_seqs full contexts need).
 _CPU_KV_BYTES = 1 << 30
 _MAX_POLICY_GAP_NS = 1_000_000_000  # between steps: longer is a pause, not a step's cost
+# Adaptive policy: a batch whose requests all end within this many tokens stays at K=0 rather
+# than resume speculation with a catch-up (it would not pay back).
+RESUME_MIN_TOKENS = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,8 +290,18 @@ class Engine(AheadSteps, ChainSteps):
         # batch's choice when the full one decodes plainly. Steps are measured at it too.
         growing = len(self.scheduler.running) + len(self.scheduler.waiting)
         policy_batch = max(1, min(growing, self.config.max_num_seqs))
-        if self.policy is not None:
+        if speculate and not self.scheduler.any_speculate():
+            # Every request opted out: plain decoding, which the policy neither chooses nor
+            # measures (policy_batch 0): such steps say nothing about speculation.
+            speculate, policy_batch = False, 0
+        elif self.policy is not None:
             speculate = self.policy.speculate(policy_batch)
+            # Speculation resumes with a catch-up (the draft takes in what K=0 held): not for
+            # a batch that ends within a few steps (a bs-6 tail after a K=0 round took 78 ms
+            # for 41 tokens that K=0 decodes in 28). Such steps go unmeasured.
+            resuming = speculate and exchange is not None and exchange.catching_up
+            if resuming and self.scheduler.all_end_within(RESUME_MIN_TOKENS):
+                speculate, policy_batch = False, 0
         # A draft service taking in new prompts is not waited for: the batch decodes with K=0
         # meanwhile, steps the policy does not measure.
         ingesting = speculate and exchange is not None and exchange.ingesting()
@@ -373,7 +386,7 @@ class Engine(AheadSteps, ChainSteps):
             draft_wait_ns=exchange.wait_ns if exchange is not None else 0,
             draft_model_ns=(self.drafter.model_ns - draft_model_before) if self.drafter else 0,
         )
-        if self.policy is not None and all(decoding):
+        if self.policy is not None and policy_batch and all(decoding):
             committed = sum(len(out.new_token_ids) for out in results)
             self.policy.record(
                 policy_batch,
@@ -381,6 +394,7 @@ class Engine(AheadSteps, ChainSteps):
                 self._policy_ns(started),
                 settled=not catching_up,
                 ingesting=ingesting,
+                held=exchange.held_tokens() if exchange is not None else 0,
             )
         return results
 

@@ -81,10 +81,11 @@ class AheadSteps:
         )
         # A launch that reads nothing (the first after a speculative step) is time in this
         # mode too: a switch to K=0 (a draft service taking in prompts, say) pays it.
-        if self.policy is not None and (results or flight is None):
+        if self.policy is not None and policy_batch and (results or flight is None):
             committed = sum(len(out.new_token_ids) for out in results)
+            held = self.exchange.held_tokens() if self.exchange is not None else 0
             self.policy.record(
-                policy_batch, committed, self._policy_ns(started), ingesting=ingesting
+                policy_batch, committed, self._policy_ns(started), ingesting=ingesting, held=held
             )
         return results
 

@@ -1,6 +1,7 @@
 """The target's end of the prompt buffer a draft service shares on its local stream
 (``tandem.local_stream.LocalLink.share_prompts`` maps it; ``draft_service/chain.py``
-allocates it)."""
+allocates it). Prompt features go through it, and so do a step's outcome features when
+there are enough of them (``tandem.draft_stream.SHARED_OUTCOME_BYTES``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tandem import wire
 
 class PromptRing:
     """The draft's prompt buffer (``SpeculateHello.prompt_buffer``) mapped at the target:
-    prompt features are written there and their frames name the offset
+    features are written there and their frames name the offset
     (``TensorFrame.shared_offset``) instead of carrying the bytes. Regions are handed out in
     step order and reused once their step is answered (answers come in step order), so a
     region is never rewritten before the draft copied it out. ``stage`` waits for its copy
@@ -29,7 +30,18 @@ class PromptRing:
     def stage(self, step_id: int, tensor: torch.Tensor) -> wire.EncodedFrame | None:
         """``tensor`` written into the buffer for ``step_id``'s message: its frame, or None
         when the buffer has no room now (it goes inline)."""
-        raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        frames = self.stage_many(step_id, [tensor])
+        return None if frames is None else frames[0]
+
+    def stage_many(
+        self, step_id: int, tensors: list[torch.Tensor]
+    ) -> list[wire.EncodedFrame] | None:
+        """``tensors`` (one dtype) written one after another into one region of the buffer,
+        in one copy: a frame each, or None when the buffer has no room now (all go inline)."""
+        if not tensors:
+            return []
+        flats = [t.detach().reshape(-1) for t in tensors]
+        raw = (flats[0] if len(flats) == 1 else torch.cat(flats)).view(torch.uint8)
         with self._lock:
             start = self._place(raw.numel())
             if start is None:
@@ -39,7 +51,11 @@ class PromptRing:
         if self.buffer.device.type == "cuda":
             torch.cuda.current_stream(self.buffer.device).synchronize()
         self.staged_bytes += raw.numel()
-        return wire.shared_frame(wire.HIDDEN_STATES, tensor, start)
+        frames, offset = [], start
+        for t in tensors:
+            frames.append(wire.shared_frame(wire.HIDDEN_STATES, t, offset))
+            offset += t.numel() * t.element_size()
+        return frames
 
     def _place(self, n: int) -> int | None:
         size = self.buffer.numel()

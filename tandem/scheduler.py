@@ -65,6 +65,24 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def all_end_within(self, tokens: int) -> bool:
+        """Whether nothing waits and every running request reaches its length limit
+        (``max_new_tokens`` or the context) within ``tokens`` more tokens."""
+        if self.waiting or not self.running:
+            return False
+        return all(
+            min(
+                r.params.max_new_tokens - len(r.output_ids),
+                self.max_model_len - r.num_tokens,
+            )
+            <= tokens
+            for r in self.running
+        )
+
+    def any_speculate(self) -> bool:
+        """Whether a running or waiting request may speculate (none opted out of it)."""
+        return any(r.speculate for r in self.running) or any(r.speculate for r in self.waiting)
+
     def step_full(self) -> bool:
         """Whether the waiting requests already fill a step (its sequences or its tokens), so
         a request arriving now would wait for a later step anyway."""

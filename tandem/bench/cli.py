@@ -52,6 +52,7 @@ def bench(
         typer.Option(
             help="Comma-separated: target-only, target-sync (target-only without decoding "
             "ahead), spec, spec-chain (spec with device-chain steps), k0, services, "
+            "services-plain (through the services with speculation off per request), "
             "services-chain (the services with the target's --device-chain), services-grpc "
             "(the services with the Speculate stream on gRPC, not the draft's local socket), hf."
         ),

@@ -34,6 +34,7 @@ ALL_MODES = (
     "spec-chain",
     "k0",
     "services",
+    "services-plain",
     "services-chain",
     "services-grpc",
     "hf",
@@ -127,7 +128,7 @@ def run_bench(
         {"spec", "spec-chain", "k0"} & set(config.modes) and speculative
     ):
         rows += _in_process(config, say)
-    if "services" in config.modes and speculative:
+    if {"services", "services-plain"} & set(config.modes) and speculative:
         rows += _services(config, model_config, say)
     if "services-chain" in config.modes and speculative:
         if config.device.startswith("cuda"):
@@ -139,9 +140,13 @@ def run_bench(
         rows += _services(config, model_config, say, local_stream=False)
     if "hf" in config.modes:
         rows += _transformers(config, say)
-    if not speculative and {"spec", "services", "services-chain", "services-grpc"} & set(
-        config.modes
-    ):
+    if not speculative and {
+        "spec",
+        "services",
+        "services-plain",
+        "services-chain",
+        "services-grpc",
+    } & set(config.modes):
         rows.append(Row(mode="spec", batch_size=0, note="skipped: no draft (--draft)"))
     for row in rows:
         if row.batch_size:
@@ -254,7 +259,9 @@ def _services(
     """Rows through a started stack: ``services`` and ``services-control`` with the draft's
     local stream (``tandem.local_stream``), ``services-chain`` and ``services-chain-control``
     with device-chain steps over it (the target's ``--device-chain``), or ``services-grpc``
-    (gateway only) without it."""
+    (gateway only) without it. ``services-plain``, on the local stream's stack before each
+    batch size's ``services`` rows: the same gateway rounds with speculation turned off per
+    request (``SpeculationParams.enabled``), the baseline that pays what the services pay."""
     assert config.draft is not None
     mode = "services" if local_stream else "services-grpc"
     mode = "services-chain" if device_chain else mode
@@ -297,21 +304,32 @@ def _services(
         rows = []
         try:
             gateway, target = services.port_of(stack, "gateway"), services.port_of(stack, "target")
-            for bs in config.batch_sizes:
-                say(f"{mode} bs={bs}")
+            plain = "services-plain" in config.modes and mode == "services"
+            speculating = "services" in config.modes or mode != "services"
+
+            def through_gateway(row_mode: str, bs: int, *, speculate: bool) -> None:
+                say(f"{row_mode} bs={bs}")
                 rows.append(
                     services.through_gateway(
                         gateway,
                         mc.vocab_size,
                         bs,
                         config.workload,
-                        probe,
+                        probe if speculate else None,
                         positions=config.spec_steps,
                         log_dir=log_dir,
-                        mode=mode,
+                        mode=row_mode,
+                        speculate=speculate,
                     )
                 )
                 say(_done(rows[-1]))
+
+            for bs in config.batch_sizes:
+                if plain:
+                    through_gateway("services-plain", bs, speculate=False)
+                if not speculating:
+                    continue
+                through_gateway(mode, bs, speculate=True)
                 if not local_stream:
                     continue
                 rows.append(

@@ -35,6 +35,7 @@ from unittest import mock
 import grpc
 from google.protobuf import json_format
 
+from draft_service import session
 from tandem.bench import bench_target
 from tandem.bench.inprocess import Workload, fill_latency, prompts
 from tandem.bench.probe import IdleProbe
@@ -94,6 +95,7 @@ def start_stack(
             svc.args[svc.args.index("--device") + 1] = draft_device
     env = {} if probe is None else probe.env()
     env[bench_target.ENV_STEP_LOG] = str(step_log(log_dir))
+    env[session.ENV_STEP_LOG] = str(log_dir / "draft-steps.jsonl")
     if simulate_accept_length is not None:
         env[simulate.ENV_VAR] = str(simulate_accept_length)
     with mock.patch.dict(os.environ, env):  # the services inherit it; this process does not
@@ -120,26 +122,31 @@ def through_gateway(
     positions: int = 0,
     log_dir: Path | None = None,
     mode: str = "services",
+    speculate: bool = True,
 ) -> Row:
     """``batch_size`` Generate streams a round. With ``log_dir`` (the stack's), the target's
-    steps during the measured rounds fill the cycle columns and ``steps-bsN-gateway.jsonl``."""
+    steps during the measured rounds fill the cycle columns and ``steps-bsN-gateway.jsonl``
+    (``-gateway-plain`` for rounds whose requests opt out of speculation: ``speculate``)."""
     windows: list[tuple[int, int]] = []  # each measured round's monotonic start and end
 
     async def main() -> Row:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             if w.warmup_tokens:
-                await _gateway_round(stub, prompts(vocab, batch_size, w.prompt_len, 99), w)
+                await _gateway_round(
+                    stub, prompts(vocab, batch_size, w.prompt_len, 99), w, speculate=speculate
+                )
             rounds = []
             for r in range(w.rounds):
                 start = time.monotonic_ns()
                 batch = prompts(vocab, batch_size, w.prompt_len, r)
-                rounds.append(await _gateway_round(stub, batch, w, True))
+                rounds.append(await _gateway_round(stub, batch, w, True, speculate=speculate))
                 windows.append((start, time.monotonic_ns()))
             if probe is not None:
                 out_dir = probe.arm(f"bs{batch_size}-{mode}")
                 batch = prompts(vocab, batch_size, w.prompt_len, 98)
-                await _gateway_round(stub, batch, replace(w, new_tokens=probe.new_tokens), True)
+                profiled = replace(w, new_tokens=probe.new_tokens)
+                await _gateway_round(stub, batch, profiled, True, speculate=speculate)
         row = Row(mode=mode, batch_size=batch_size, num_requests=batch_size * w.rounds)
         if probe is not None:
             probe.collect(out_dir, row)
@@ -163,7 +170,8 @@ def through_gateway(
         time.sleep(0.2)  # the target's writer thread is a step or so behind
         steps = bench_target.read_steps(step_log(log_dir), windows)
         _fill_steps(row, steps, positions)
-        _write_steps(log_dir / f"steps-bs{batch_size}-gateway.jsonl", steps)
+        suffix = "gateway" if speculate else "gateway-plain"
+        _write_steps(log_dir / f"steps-bs{batch_size}-{suffix}.jsonl", steps)
     return row
 
 
@@ -175,6 +183,8 @@ async def _gateway_round(
     batch: list[list[int]],
     w: Workload,
     measured: bool = False,
+    *,
+    speculate: bool = True,
 ) -> tuple[float, list[_Record]]:
     new_tokens = w.new_tokens if measured else w.warmup_tokens
     start = time.perf_counter()
@@ -187,6 +197,8 @@ async def _gateway_round(
             ),
             stream_options=gateway_pb2.StreamOptions(detokenize=False),
         )
+        if not speculate:
+            request.speculation.enabled = False
         first = last = 0.0
         tokens = 0
         usage = common_pb2.Usage()

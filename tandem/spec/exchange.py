@@ -22,9 +22,11 @@ large batch does not flush features to the draft (a draft extend, on the GPU the
 every few steps.
 To a draft service (``Drafter.remote``), waiting admits and held runs go out at most
 ``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses together does not resume
-in one message over the stream's cap; a request still holding (or not admitted yet) decodes
-without a tree. In process nothing is serialised: a speculating step sends everything due at
-once, and only K=0 flushes (past the cap) are paced, to spread their draft work.
+in one message over the stream's cap (``SHARED_HELD_BYTES_PER_STEP`` when they go through a
+buffer the draft shares, ``tandem.prompt_ring``: nothing is serialised); a request still
+holding (or not admitted yet) decodes without a tree. In process nothing is serialised: a
+speculating step sends everything due at once, and only K=0 flushes (past the cap) are paced,
+to spread their draft work.
 
 While a draft service takes in new prompts (``INGEST_BYTES`` of their features or more in one
 message), the engine does not wait for its answer: ``ingesting`` tells it to decode with K=0
@@ -57,6 +59,9 @@ from tandem.transfer import device_ints
 logger = logging.getLogger(__name__)
 
 HELD_BYTES_PER_STEP = 16 << 20  # features of held runs sent per step (beyond the first run)
+# ... to a draft service whose buffer they go through (``Drafter.shares_prompts``): a quarter
+# of its default 256 MiB, so two lanes' steps fit in it beside new prompts.
+SHARED_HELD_BYTES_PER_STEP = 64 << 20
 INGEST_BYTES = 1 << 20  # prompt features a draft service's answer is not waited for past
 
 
@@ -100,6 +105,12 @@ class DraftExchange:
         answer still to collect that catches up on them (the step that collects it waits for
         the draft's extend over everything K=0 held)."""
         return bool(self.held or self._deferred_admits or self._catching_up_lanes)
+
+    def held_tokens(self) -> int:
+        """Tokens the draft would take in before its next trees: runs K=0 held and prompts
+        waiting (the adaptive policy prices a re-check of speculation by them)."""
+        runs = sum(len(h.tokens) for h in self.held.values())
+        return runs + sum(len(a.token_ids) for a in self._deferred_admits)
 
     def ingesting(self) -> bool:
         """Whether a draft service is still taking in new prompts (that answer in flight): the
@@ -330,10 +341,13 @@ class DraftExchange:
 
     def _step_bytes(self, draft: bool) -> float:
         """Features sent per step beyond the first update: ``HELD_BYTES_PER_STEP`` over a wire
-        (one message stays far below its cap) and for K=0 flushes (nothing waits for them,
-        so their draft work is spread over steps); everything due when an in-process draft
-        is about to draft (its trees are wanted at the next step)."""
-        return float("inf") if draft and not self.drafter.remote else HELD_BYTES_PER_STEP
+        (one message stays far below its cap; ``SHARED_HELD_BYTES_PER_STEP`` through a buffer
+        the draft shares) and for K=0 flushes (nothing waits for them, so their draft work is
+        spread over steps); everything due when an in-process draft is about to draft (its
+        trees are wanted at the next step)."""
+        if draft and not self.drafter.remote:
+            return float("inf")
+        return SHARED_HELD_BYTES_PER_STEP if self.drafter.shares_prompts else HELD_BYTES_PER_STEP
 
     def _held_bytes(self, admits: list[DraftAdmit]) -> int:
         """Features held for the draft: runs, admits waiting, ``admits`` of this step."""

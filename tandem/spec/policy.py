@@ -22,9 +22,17 @@ The catch-up steps a window skips (below) are no part of its rate, but they are 
 what measuring that mode cost: when it loses, they count in the debt with its window.
 
 A new bucket starts in the mode the last step ran (a batch growing or shrinking across a
-bucket boundary keeps its mode until measured). The first ``settle_steps`` steps after a switch
-are not measured: the first speculative step after K=0 has no trees yet (the draft catches up
-on the tokens committed meanwhile) and the first K=0 step may still verify nothing.
+bucket boundary keeps its mode until measured), except above a bucket that runs K=0 by its
+measurements: it starts decided for K=0, owing that bucket's debt, and measures speculation
+after ``explore_steps`` (a measured decision, not a cold one). Speculation gains less the
+larger the batch (its verify grows with batch x tree width once the forward is no longer
+memory-bound; a draft service's exchange grows with the batch), so measuring it again at each
+larger size only costs: through the services at bs 64 one round's first windows and re-check
+lost 5-10% of a two-round row.
+
+The first ``settle_steps`` steps after a switch are not measured: the first speculative step
+after K=0 has no trees yet (the draft catches up on the tokens committed meanwhile) and the
+first K=0 step may still verify nothing.
 
 The policy only chooses; ``Engine.step`` carries it out (``DraftExchange`` holds the K=0
 outcomes back and hands them to the draft in one extend when speculation resumes). Known
@@ -66,6 +74,10 @@ class PolicyConfig:
     explore_budget: float = 0.03
     # Steps of a window skipped while the draft catches up after K=0 (at most).
     max_unsettled_steps: int = 16
+    # What a resume's catch-up loses per token the draft takes in, until one is measured
+    # (``SpecPolicy.catch_up_ns_per_token``): about what one cost through the services on an
+    # H100 at bs 16-32 (86 ms for 2784 tokens held; 31 us a token).
+    catch_up_prior_ns_per_token: float = 20_000.0
 
     def __post_init__(self) -> None:
         if min(self.window_steps, self.explore_steps, self.first_explore_steps) < 1:
@@ -76,6 +88,8 @@ class PolicyConfig:
             raise ValueError("margin: must be > 0")
         if not 0 < self.explore_budget <= 1:
             raise ValueError("explore_budget: must be in (0, 1]")
+        if self.catch_up_prior_ns_per_token < 0:
+            raise ValueError("catch_up_prior_ns_per_token: must be >= 0")
 
 
 @dataclass
@@ -97,8 +111,12 @@ class _Bucket:
     # Speculation's last window gave up (a draft service still taking in new prompts) and it
     # has not been measured since: re-checks come every explore_steps only.
     gave_up: bool = False
+    # Decided from the bucket below (``SpecPolicy._new_bucket``) and not measured since:
+    # re-checks every explore_steps (a measured decision, not a cold one).
+    inherited: bool = False
     ingesting: int = 0  # steps of this window that decoded plainly while the draft took in prompts
     catch_up: tuple[int, int] = (0, 0)  # their (tokens, ns)
+    held_at_switch: int = 0  # tokens the draft had to take in when speculation was measured
     # Per mode, the (tokens, ns) its last window skipped: no part of its rate, but part of
     # what measuring it cost when it loses.
     switch_costs: dict[Mode, tuple[int, int]] = field(default_factory=dict)
@@ -117,12 +135,19 @@ class SpecPolicy:
         self._buckets: dict[int, _Bucket] = {}
         self.switches = 0  # mode changes so far (tests, logs)
         self._last = Mode.SPECULATE  # the mode of the last step: a new bucket starts there
+        self._held = 0  # tokens the draft would take in first if speculation resumed now
+        # What a resume's catch-up lost per token the draft took in (the last one measured;
+        # the config's prior before): a re-check of speculation after K=0 is expected to
+        # cost this times ``_held``.
+        self.catch_up_ns_per_token = self.config.catch_up_prior_ns_per_token
 
     def reset(self) -> None:
         """Forgets every measurement: steps before it (a service's warm-up, whose first
         speculative steps compile kernels) are not traffic to decide by."""
         self._buckets.clear()
         self._last = Mode.SPECULATE
+        self._held = 0
+        self.catch_up_ns_per_token = self.config.catch_up_prior_ns_per_token
 
     def speculate(self, batch_size: int) -> bool:
         """The mode of the next step of a batch this size."""
@@ -137,6 +162,7 @@ class SpecPolicy:
         *,
         settled: bool = True,
         ingesting: bool = False,
+        held: int = 0,
     ) -> None:
         """One step of ``batch_size`` requests in the mode ``speculate`` returned for it.
         ``settled=False``: the draft is still catching up after K=0 (runs or admits waiting);
@@ -147,8 +173,11 @@ class SpecPolicy:
         it (a plain step counted as speculation made it as fast as K=0: noise then chose
         speculation at bs 8 and 64). After ``max_unsettled_steps`` of them a speculation
         window gives up: K=0 until the next re-check (new prompts go out to a draft service
-        a few per step, and the steps between, which wait on the draft, stalled 50 ms each)."""
+        a few per step, and the steps between, which wait on the draft, stalled 50 ms each).
+        ``held``: tokens the draft would take in before speculating again (runs K=0 held,
+        prompts waiting): a re-check of speculation is expected to cost their catch-up."""
         c, b = self.config, self._bucket(batch_size)
+        self._held = held
         skipped = (b.catch_up[0] + committed_tokens, b.catch_up[1] + step_ns)
         if ingesting and b.measuring:
             b.ingesting += 1
@@ -165,11 +194,11 @@ class SpecPolicy:
             b.tokens += committed_tokens
             b.ns += step_ns
             interval = min(c.explore_steps, c.first_explore_steps << max(0, b.decisions - 1))
-            if b.gave_up:
+            if b.gave_up or b.inherited:
                 interval = c.explore_steps
             # A first decision its windows' median steps contradict is checked again at once:
             # a few cold steps (a first shape, a compile) slow a window's mean, not its median.
-            paid = (b.decisions <= 1 and b.contested) or b.ns * c.explore_budget >= b.debt_ns
+            paid = (b.decisions <= 1 and b.contested) or b.ns * c.explore_budget >= self._owed(b)
             if b.steps >= interval and paid:
                 # The other mode is measured again against what this one ran at since its
                 # decision, every step counted (catch-ups, steps while a draft service took in
@@ -189,7 +218,11 @@ class SpecPolicy:
             return
         b.windows[b.mode] = (b.tokens, b.ns)
         b.switch_costs[b.mode] = b.catch_up
+        if b.mode is Mode.SPECULATE and Mode.PLAIN in b.windows and b.held_at_switch >= 64:
+            loss = _loss_ns(*b.catch_up, b.rates[Mode.PLAIN])
+            self.catch_up_ns_per_token = loss / b.held_at_switch
         b.typical[b.mode] = statistics.median(b.step_rates)
+        b.inherited = False
         b.gave_up = b.gave_up and b.mode is Mode.PLAIN
         other = _other(b.mode)
         if other not in b.windows and b.gave_up:  # speculation could not be measured: K=0
@@ -210,7 +243,7 @@ class SpecPolicy:
         skipped_tokens, skipped_ns = b.switch_costs.get(loser, (0, 0))
         tokens, ns = tokens + skipped_tokens, ns + skipped_ns
         b.debt_ns = _loss_ns(tokens, ns, rates[best])
-        b.contested = self._better(b.typical) is not best
+        b.contested = len(b.typical) == 2 and self._better(b.typical) is not best
         b.decisions += 1
         logger.info(
             "batch %d: %s (windows: speculation %.0f tok/s, K=0 %.0f tok/s; median steps "
@@ -259,12 +292,40 @@ class SpecPolicy:
         key = next((b for b in _BUCKETS if b >= batch_size), _BUCKETS[-1])
         bucket = self._buckets.get(key)
         if bucket is None:
-            # A batch that grows or shrinks into a new bucket keeps its mode while the bucket
-            # measures it first: switching would cost a catch-up (or a drain) for nothing.
-            bucket = self._buckets[key] = _Bucket(mode=self._last)
+            bucket = self._buckets[key] = self._new_bucket(key)
         return bucket
 
+    def _new_bucket(self, key: int) -> _Bucket:
+        """Above the nearest decided bucket that runs K=0: K=0, decided, with its debt (see
+        the module docstring). Otherwise the mode of the last step, measured first: a batch
+        that grows or shrinks into a new bucket keeps its mode while the bucket measures it
+        (switching would cost a catch-up, or a drain, for nothing)."""
+        decided = [k for k, b in self._buckets.items() if k < key and b.decisions]
+        if decided:
+            below = self._buckets[max(decided)]
+            if below.mode is Mode.PLAIN and not below.measuring:
+                logger.info("batch bucket %d: K=0, as the one of %d", key, max(decided))
+                return _Bucket(
+                    mode=Mode.PLAIN,
+                    measuring=False,
+                    decisions=1,
+                    debt_ns=below.debt_ns,
+                    inherited=True,
+                )
+        return _Bucket(mode=self._last)
+
+    def _owed(self, b: _Bucket) -> float:
+        """What measuring the other mode again is expected to cost: the last loss (``debt``)
+        and, for speculation after K=0, the catch-up on what K=0 holds now. (The debt alone
+        let a first re-check at bs 32 through the services, whose first window had little to
+        catch up on, cost 90 ms of a 2 s row, against the 34 ms owed.)"""
+        if b.mode is Mode.PLAIN:
+            return b.debt_ns + self.catch_up_ns_per_token * self._held
+        return b.debt_ns
+
     def _switch(self, b: _Bucket, mode: Mode, *, measuring: bool) -> None:
+        if mode is Mode.SPECULATE and measuring:
+            b.held_at_switch = self._held
         if mode is not b.mode:
             self.switches += 1
         b.mode, b.measuring = mode, measuring

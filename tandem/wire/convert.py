@@ -9,7 +9,7 @@ a receiver never needs the sender's defaults. Floats travel as float32.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -273,10 +273,12 @@ def outcome_from_proto(
     path: str = "outcome",
     vocab_size: int | None = None,
     feature_size: int | None = None,
+    shared: Callable[[int, int], torch.Tensor] | None = None,
 ) -> VerifyOutcome:
     """A validated VerifyOutcome (features None when no frames came); ``max_bytes`` caps the
-    feature tensor. ``committed_len`` is only checked for consistency here (>= accepted + 2);
-    a receiver that tracks lengths compares it with its own."""
+    feature tensor; ``shared`` reads a frame that names a shared buffer's bytes
+    (``FrameAssembler``). ``committed_len`` is only checked for consistency here (>= accepted
+    + 2); a receiver that tracks lengths compares it with its own."""
     _require_id(msg.request_id, path)
     num_accepted = len(msg.accepted_token_ids)
     _check_ids(msg.accepted_token_ids, vocab_size, _field(path, "accepted_token_ids"))
@@ -296,7 +298,9 @@ def outcome_from_proto(
     features = None
     if msg.hidden_states:
         field = _field(path, "hidden_states")
-        features = tensor_from_frames(msg.hidden_states, max_bytes=max_bytes, path=field)
+        features = tensor_from_frames(
+            msg.hidden_states, max_bytes=max_bytes, path=field, shared=shared
+        )
         _check_features(features, num_accepted + 1, feature_size, field)
     return VerifyOutcome(
         request_id=msg.request_id,

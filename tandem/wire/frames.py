@@ -83,10 +83,15 @@ def tensor_from_proto(msg: Tensor, *, max_bytes: int, path: str = "") -> torch.T
 
 
 def tensor_from_frames(
-    frames: Iterable[TensorFrame], *, max_bytes: int, path: str = ""
+    frames: Iterable[TensorFrame],
+    *,
+    max_bytes: int,
+    path: str = "",
+    shared: Callable[[int, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Decode exactly one tensor from all of its frames (e.g. a repeated TensorFrame field)."""
-    assembler = FrameAssembler(max_bytes=max_bytes, path=path)
+    """Decode exactly one tensor from all of its frames (e.g. a repeated TensorFrame field);
+    ``shared`` as for ``FrameAssembler``."""
+    assembler = FrameAssembler(max_bytes=max_bytes, path=path, shared=shared)
     result: torch.Tensor | None = None
     for frame in frames:
         if result is not None:

@@ -31,6 +31,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
         sys.executable, "-m", "tandem", "bench", "--preset", "tiny",
         "--models-dir", str(tmp_path / "models"), "--batch-sizes", "1,2",
         "--prompt-len", "12", "--new-tokens", "12", "--warmup-tokens", "3",
+        "--modes", "target-only,spec,services,services-plain,hf",
         "--spec-steps", str(S), "--simulate-accept-length", "3.0",
         "--json", "--plot", str(plots), "--profile-idle", "--log-dir", str(tmp_path / "logs"),
     ]  # fmt: skip
@@ -39,7 +40,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
     result = json.loads(done.stdout)
     assert "Tandem Benchmark Result" in done.stderr  # the table goes to stderr with --json
     rows = {(r["mode"], r["batch_size"]): r for r in result["rows"]}
-    measured = ["target-only", "spec", "services", "services-control", "hf-generate"]
+    measured = [
+        "target-only", "spec", "services", "services-control", "services-plain", "hf-generate"
+    ]  # fmt: skip
     for mode in measured:
         for bs in (1, 2):
             row = rows[(mode, bs)]
@@ -62,6 +65,14 @@ def test_bench_smoke(tmp_path: Path) -> None:
         # request, the first from its prefill (a step of its own unless it joined a decode).
         committed = sum(json.loads(line)["numCommittedTokens"] for line in steps)
         assert 11 * bs <= committed <= 12 * bs, steps
+    for bs in (1, 2):  # requests that opted out of speculation: no draft work
+        assert rows[("services-plain", bs)]["accept_length"] == 1.0
+        assert rows[("services-plain", bs)]["draft_ms"] == 0.0
+    # The draft's own step log: every step it answered, with where its time went.
+    drafted = [json.loads(line) for line in (tmp_path / "logs" / "draft-steps.jsonl").open()]
+    drafted = [s for s in drafted if s["requests"]]  # (the hello's step drafts nothing)
+    assert drafted and all(s["totalNs"] >= s["stepNs"] >= s["modelNs"] > 0 for s in drafted)
+    assert sum(s["outcomes"] for s in drafted) > 0 and sum(s["admits"] for s in drafted) > 0
     assert rows[("target-only", 1)]["draft_ms"] is None
     assert "perf only" in result["settings"]["Simulated accept length"]
     for mode in ("services", "services-control"):

@@ -144,14 +144,15 @@ def assert_draft_released_all(server: ServerThread) -> None:
 class Feed:
     """Deterministic admits and outcomes (random features, first child accepted)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, device: str = "cpu") -> None:
         self.gen = torch.Generator().manual_seed(seed)
+        self.device = device  # where the features are (as the target's)
 
     def ids(self, n: int) -> list[int]:
         return torch.randint(3, VOCAB, (n,), generator=self.gen).tolist()
 
     def feats(self, n: int) -> torch.Tensor:
-        return torch.randn(n, FEATURES, generator=self.gen)  # [n, F]
+        return torch.randn(n, FEATURES, generator=self.gen).to(self.device)  # [n, F]
 
     def admit(self, request_id: str, n: int) -> DraftAdmit:
         return DraftAdmit(

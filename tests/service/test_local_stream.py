@@ -17,14 +17,17 @@ import torch
 
 from draft_service.__main__ import parse_config
 from draft_service.config import DraftServiceConfig
-from tandem import wire
+from tandem import draft_stream, wire
 from tandem.draft_client import RemoteDrafter
 from tandem.draft_stream import StreamState
 from tandem.errors import InvalidRequest
 from tandem.local_stream import HEADER, FrameBuffer, LocalLink, check_path, encode
 from tandem.prompt_ring import PromptRing
+from tandem.spec.base import Drafter
+from tandem.spec.types import VerifyOutcome
 from tandem.v1 import draft_pb2
 from tests.service.test_draft_service import (
+    FEATURES,
     LAYERS,
     SPEC,
     Ckpts,
@@ -236,3 +239,94 @@ def test_a_shared_frame_is_read_from_the_buffer_and_checked() -> None:
     frame.num_chunks = 2
     with pytest.raises(InvalidRequest, match="one whole chunk"):
         wire.FrameAssembler(max_bytes=1024, shared=read).add(frame)
+
+
+def test_a_steps_outcome_features_share_one_region_or_go_inline() -> None:
+    buffer = torch.zeros(1 << 14, dtype=torch.uint8)
+    state = StreamState(budget=1 << 20, frame_bytes=1 << 18, hidden_dtype=torch.float32)
+    state.stage = PromptRing(buffer).stage_many
+    feed = Feed(4)
+    state.build(draft_pb2.SpeculateRequest(step_id=1), [feed.admit("a", 3)], [], [])
+    state.tracked["b"] = 5  # as if admitted before
+    runs = [
+        VerifyOutcome(
+            request_id=r,
+            accepted_token_ids=feed.ids(n),
+            bonus_token_id=7,
+            features=feed.feats(n + 1),
+        )
+        for r, n in (("a", 0), ("b", 1))
+    ]
+
+    def read(offset: int, nbytes: int) -> torch.Tensor:
+        return buffer[offset : offset + nbytes].clone()
+
+    def sent(step_id: int) -> list[draft_pb2.VerifyOutcome]:
+        message = state.build(draft_pb2.SpeculateRequest(step_id=step_id), [], runs, [])
+        outcomes = list(message.message().outcomes)
+        for msg, run in zip(outcomes, runs, strict=True):
+            got = wire.outcome_from_proto(msg, 1 << 20, shared=read)
+            assert got.features is not None and torch.equal(got.features, run.features)
+        return outcomes
+
+    small = sent(2)  # below SHARED_OUTCOME_BYTES: inline
+    assert all(f.WhichOneof("payload") == "data" for o in small for f in o.hidden_states)
+    draft_stream.SHARED_OUTCOME_BYTES, saved = 1, draft_stream.SHARED_OUTCOME_BYTES
+    try:
+        shared = sent(3)  # one region, a frame each
+        assert all(len(o.hidden_states) == 1 for o in shared)
+        assert all(o.hidden_states[0].WhichOneof("payload") == "shared_offset" for o in shared)
+        offsets = [[f.shared_offset for f in o.hidden_states] for o in shared]
+        assert offsets[1][0] - offsets[0][0] == runs[0].features.numel() * 4  # type: ignore[union-attr]
+        state.stage = PromptRing(torch.zeros(8, dtype=torch.uint8)).stage_many  # no room
+        assert all(f.WhichOneof("payload") == "data" for o in sent(4) for f in o.hidden_states)
+    finally:
+        draft_stream.SHARED_OUTCOME_BYTES = saved
+
+
+def test_outcomes_through_the_drafts_buffer_give_the_same_trees(
+    ckpts: Ckpts,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every step's outcome features (and a long run, as K=0 holds) written into the draft's
+    shared buffer (shared memory here; CUDA IPC in tests/e2e/test_outcome_buffer_gpu.py): the
+    draft reads them there and drafts what the in-process drafter does."""
+    monkeypatch.setattr(draft_stream, "SHARED_OUTCOME_BYTES", 1)
+    served = _serve(ckpts, local_socket=str(tmp_path / "d.sock"), prompt_buffer_mb=1)
+    remote = RemoteDrafter(served.address, num_target_layers=LAYERS, device="cpu")
+    try:
+        check_outcomes_through_the_buffer(ckpts.local(), remote, "cpu")
+    finally:
+        remote.close()
+        served.stop()
+
+
+def check_outcomes_through_the_buffer(local: Drafter, remote: RemoteDrafter, device: str) -> None:
+    """``remote`` (its outcome features through the draft's buffer: SHARED_OUTCOME_BYTES
+    lowered) drafts the trees ``local`` does, step after step, and the buffer took every
+    outcome's features."""
+    assert remote.wait_ready(60) and remote.shares_prompts
+    link = remote._local
+    assert link is not None and link.ring is not None
+    feed = Feed(3, device)
+    admits = [feed.admit("a", 7), feed.admit("b", 12)]
+    trees = local.step(admits, [], [])
+    assert remote.step(admits, [], []) == trees
+    for step in range(4):
+        staged = link.ring.staged_bytes
+        outcomes = [feed.outcome(r, trees.get(r)) for r in sorted(trees)]
+        if step == 2:  # a run of 30 steps K=0 held, in one outcome
+            outcomes[0] = VerifyOutcome(
+                request_id="a",
+                accepted_token_ids=feed.ids(29),
+                bonus_token_id=feed.ids(1)[0],
+                features=feed.feats(30),
+            )
+        trees = local.step([], outcomes, [])
+        assert remote.step([], outcomes, []) == trees
+        assert any(len(t) > 1 for t in trees.values())
+        rows = sum(len(o.accepted_token_ids) + 1 for o in outcomes)
+        itemsize = link.stream.hidden_dtype.itemsize
+        assert link.ring.staged_bytes - staged == rows * FEATURES * itemsize
+    assert remote.take_dropped() == []

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine
+from tandem.engine import RESUME_MIN_TOKENS, Engine
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 from tandem.spec.build import DraftConfig, build_drafter
@@ -369,6 +369,81 @@ def test_the_policy_counts_the_time_between_steps(ckpts: Checkpoints) -> None:
     engine._last_step_end = time.perf_counter_ns() - 2_000_000_000  # a pause of 2 s
     assert engine._policy_ns(time.perf_counter_ns()) < 1_000_000_000
     _assert_clean(engine)
+
+
+def test_requests_that_opted_out_leave_the_policy_alone(ckpts: Checkpoints) -> None:
+    """A batch whose requests all opted out of speculation decodes plainly (ahead) without
+    asking the policy or counting in its windows: such steps say nothing about speculation.
+    One speculating request among them brings the policy back."""
+
+    class Counted(SpecPolicy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked = self.measured = 0
+
+        def speculate(self, batch_size: int) -> bool:
+            self.asked += 1
+            return super().speculate(batch_size)
+
+        def record(self, *args: int, **kwargs: bool) -> None:
+            self.measured += 1
+            super().record(*args, **kwargs)
+
+    engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
+    engine.policy = policy = Counted()
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    prompts = ragged_prompts()[:3]
+    ids = [engine.add_request(p, params, speculate=False) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert policy.asked == policy.measured == 0 and policy._buckets == {}
+    assert engine.ahead_steps > 0  # decoded ahead, as K=0 does
+    target_only = [r.token_ids for r in ckpts.engine(None, None).generate(prompts, params)]
+    assert [engine.pop_finished(i).token_ids for i in ids] == target_only
+    engine.add_request(prompts[0], params)
+    engine.add_request(prompts[1], params, speculate=False)
+    while engine.has_unfinished():
+        engine.step()
+    assert policy.asked > 0 and policy.measured > 0
+    engine.flush_draft()
+    _assert_clean(engine)
+
+
+def test_a_batch_about_to_end_does_not_resume_speculation(ckpts: Checkpoints) -> None:
+    """After K=0 the draft must catch up before speculation pays: a batch whose requests all
+    end within RESUME_MIN_TOKENS stays at K=0 (its steps unmeasured); one with more to go
+    resumes. Output is target-only's either way."""
+
+    class Switch(SpecPolicy):
+        """K=0 for the first ``at`` decisions, then speculation."""
+
+        def __init__(self, at: int) -> None:
+            super().__init__()
+            self.at, self.calls, self.measured = at, 0, 0
+
+        def speculate(self, batch_size: int) -> bool:
+            self.calls += 1
+            return self.calls > self.at
+
+        def record(self, *args: int, **kwargs: bool) -> None:
+            self.measured += self.calls > self.at
+
+    prompts = ragged_prompts()[:3]
+    params = SamplingParams(max_new_tokens=RESUME_MIN_TOKENS + 8, ignore_eos=True)
+    target_only = [r.token_ids for r in ckpts.engine(None, None).generate(prompts, params)]
+    for at, resumes in ((12, False), (2, True)):
+        engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
+        engine.policy = policy = Switch(at)
+        ids = [engine.add_request(p, params) for p in prompts]
+        speculated = []
+        while engine.has_unfinished():
+            engine.step()
+            speculated.append(engine.last_speculated)
+        assert any(speculated) is resumes, (at, speculated)
+        assert (policy.measured > 0) is resumes
+        assert [engine.pop_finished(i).token_ids for i in ids] == target_only
+        engine.flush_draft()
+        _assert_clean(engine)
 
 
 def test_the_target_services_warm_up_leaves_the_policy_unmeasured(ckpts: Checkpoints) -> None:

@@ -275,3 +275,85 @@ def test_reset_forgets_every_decision() -> None:
     assert not policy.speculate(1) and policy.rates(1)
     policy.reset()
     assert policy.rates(1) == {} and policy.speculate(1)
+
+
+def test_a_bucket_above_one_that_runs_k0_starts_at_k0_owing_its_debt() -> None:
+    """Through the services at bs 32 speculation lost: the 48 and 64 buckets a batch grows
+    into start decided for K=0 (no windows of their own), and measure speculation after
+    explore_steps once that debt is paid; a bucket below, or above one that speculates,
+    measures as before."""
+    config = PolicyConfig(window_steps=4, settle_steps=1, first_explore_steps=8)
+    policy = SpecPolicy(config)
+    spec, plain = (60, 20_000_000), (32, 6_000_000)  # 3000 against 5333 tok/s
+    while not (policy._buckets.get(32) and policy._buckets[32].decisions):
+        on = policy.speculate(32)
+        policy.record(32, *(spec if on else plain))
+    decided = policy._buckets[32]
+    assert decided.mode is Mode.PLAIN and decided.debt_ns > 0
+    # Speculation's window: 240 tokens in 80 ms, 45 ms at K=0's rate: 35 ms owed.
+    assert decided.debt_ns == pytest.approx(35e6, rel=1e-3)
+    modes = []
+    for _ in range(500):
+        on = policy.speculate(64)
+        modes.append(on)
+        policy.record(64, *((100, 30_000_000) if on else (64, 7_000_000)))
+    # Re-checked after explore_steps (400; 3% of K=0's time has paid the 35 ms after 167
+    # steps of 7 ms): then one window measures speculation there.
+    assert modes[:400] == [False] * 400 and any(modes)
+    bucket = policy._buckets[64]
+    assert bucket.mode is Mode.PLAIN and bucket.decisions == 2  # measured, and K=0 again
+    assert not policy.speculate(48)  # above 32 too: K=0 at once
+    policy.speculate(8)  # below: measured first (from the last step's mode)
+    assert policy._buckets[8].measuring and policy._buckets[8].decisions == 0
+    fresh = SpecPolicy(config)  # nothing decided below: measured first
+    assert fresh.speculate(64) and fresh._buckets[64].measuring
+
+
+def test_a_recheck_after_k0_owes_the_catch_up_on_what_k0_holds() -> None:
+    """Through the services the draft catches up on everything K=0 held before speculation is
+    measured again. The policy learns what a catch-up cost per token taken in and waits, to
+    measure again, until its budget covers the last loss and the catch-up of what is held now
+    (which grows with every K=0 step)."""
+    config = PolicyConfig(window_steps=4, settle_steps=1, first_explore_steps=8)
+    policy = SpecPolicy(config)
+    spec, plain = (60, 20_000_000), (32, 6_000_000)  # 3000 against 5333 tok/s
+    held = 0
+    while not (policy._buckets.get(32) and policy._buckets[32].decisions):
+        on = policy.speculate(32)
+        policy.record(32, *(spec if on else plain))
+    bucket = policy._buckets[32]
+    # Nothing was held: no catch-up measured yet, the prior stands.
+    assert policy.catch_up_ns_per_token == config.catch_up_prior_ns_per_token
+    waited = 0
+    while not policy.speculate(32):  # K=0, every step's tokens held for the draft
+        held = min(held + 32, 2048)  # (requests finish and others arrive)
+        waited += 1
+        policy.record(32, *plain, held=held)
+        assert waited < 10_000
+    assert bucket.held_at_switch == held == 2048
+    # The prior priced that first re-check: 3% of the K=0 time covered the debt and it.
+    owed = bucket.debt_ns + config.catch_up_prior_ns_per_token * held
+    assert waited * 6e6 * 0.03 >= owed > (waited - 1) * 6e6 * 0.03
+    # The resume catches up for three 40 ms steps (trees missing), then measures.
+    for _ in range(3):
+        policy.record(32, 60, 40_000_000, settled=False, held=0)
+    for _ in range(5):
+        policy.record(32, *spec, held=0)
+    assert not policy.speculate(32) and bucket.decisions == 2
+    # 180 tokens in 120 ms, 33.75 ms at K=0's rate: 86.25 ms lost over what was held.
+    assert policy.catch_up_ns_per_token == pytest.approx(86.25e6 / held)
+    debt, per_token = bucket.debt_ns, policy.catch_up_ns_per_token
+    # Requests finish and others arrive: what is held levels off at 2048 tokens.
+    held, waited = 0, 0
+    while not policy.speculate(32):
+        held = min(held + 32, 2048)
+        waited += 1
+        policy.record(32, *plain, held=held)
+        if bucket.mode is Mode.PLAIN:  # (not yet switched to measure speculation)
+            assert policy._owed(bucket) == pytest.approx(debt + per_token * held)
+        assert waited < 10_000
+    # Measured again only once 3% of the K=0 time covers the debt and the held catch-up,
+    # later than the debt alone would have it.
+    budget = waited * 6e6 * 0.03
+    assert budget >= debt + per_token * held > budget - 6e6 * 0.03
+    assert budget > debt + 1e6
