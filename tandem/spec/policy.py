@@ -75,8 +75,10 @@ class PolicyConfig:
     # Steps of a window skipped while the draft catches up after K=0 (at most).
     max_unsettled_steps: int = 16
     # What a resume's catch-up loses per token the draft takes in, until one is measured
-    # (``SpecPolicy.catch_up_ns_per_token``): about what one cost through the services on an
-    # H100 at bs 16-32 (86 ms for 2784 tokens held; 31 us a token).
+    # (``SpecPolicy.catch_up_ns_per_token``). Through the services on an H100 at bs 32 a
+    # first re-check's catch-up (5 steps) lost 72-88 ms over about 6100-6900 tokens held,
+    # 10-14 us a token (docs/performance.md, AH4-AH5); the prior takes about twice that, so an
+    # unmeasured re-check waits rather than loses.
     catch_up_prior_ns_per_token: float = 20_000.0
 
     def __post_init__(self) -> None:
