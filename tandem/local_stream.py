@@ -311,7 +311,7 @@ class LocalLink:
             logger.warning("the draft's prompt buffer cannot be mapped (%s); sending inline", exc)
             return False
         self.ring = PromptRing(buffer)
-        self.stream.stage = self.ring.stage_many
+        self.stream.stage = self.ring.stage
         return True
 
     @property

@@ -27,15 +27,7 @@ class PromptRing:
         self._lock = threading.Lock()
         self.staged_bytes = 0
 
-    def stage(self, step_id: int, tensor: torch.Tensor) -> wire.EncodedFrame | None:
-        """``tensor`` written into the buffer for ``step_id``'s message: its frame, or None
-        when the buffer has no room now (it goes inline)."""
-        frames = self.stage_many(step_id, [tensor])
-        return None if frames is None else frames[0]
-
-    def stage_many(
-        self, step_id: int, tensors: list[torch.Tensor]
-    ) -> list[wire.EncodedFrame] | None:
+    def stage(self, step_id: int, tensors: list[torch.Tensor]) -> list[wire.EncodedFrame] | None:
         """``tensors`` (one dtype) written one after another into one region of the buffer,
         in one copy: a frame each, or None when the buffer has no room now (all go inline)."""
         if not tensors:

@@ -199,28 +199,31 @@ def test_unreachable_socket_falls_back_to_grpc(ckpts: Ckpts, tmp_path: Path) -> 
 def test_prompt_ring_reuses_a_region_only_once_its_step_is_answered() -> None:
     ring = PromptRing(torch.zeros(100, dtype=torch.uint8))
     ten = torch.arange(10, dtype=torch.float32)  # 40 bytes
-    first = ring.stage(1, ten)
-    assert first is not None and first.header["shared_offset"] == 0
+
+    def offset(step_id: int, tensor: torch.Tensor) -> int | None:
+        """Where ``tensor`` was written, None without room."""
+        frames = ring.stage(step_id, [tensor])
+        return None if frames is None else frames[0].header["shared_offset"]
+
+    assert offset(1, ten) == 0
     assert torch.equal(ring.buffer[:40].view(torch.float32), ten)
-    second = ring.stage(2, ten + 1)
-    assert second is not None and second.header["shared_offset"] == 40
-    assert ring.stage(3, ten) is None  # step 1's bytes are still unread: no room
+    assert offset(2, ten + 1) == 40
+    assert offset(3, ten) is None  # step 1's bytes are still unread: no room
     ring.release(1)
-    third = ring.stage(3, ten + 2)
-    assert third is not None and third.header["shared_offset"] == 0  # wrapped
-    assert ring.stage(4, torch.zeros(3)) is None  # would overwrite step 2's
+    assert offset(3, ten + 2) == 0  # wrapped
+    assert offset(4, torch.zeros(3)) is None  # would overwrite step 2's
     ring.release(2)
-    fourth = ring.stage(4, torch.zeros(3))
-    assert fourth is not None and fourth.header["shared_offset"] == 40
-    assert ring.stage(5, torch.zeros(30)) is None  # larger than the buffer
+    assert offset(4, torch.zeros(3)) == 40
+    assert offset(5, torch.zeros(30)) is None  # larger than the buffer
 
 
 def test_a_shared_frame_is_read_from_the_buffer_and_checked() -> None:
     buffer = torch.zeros(64, dtype=torch.uint8)
     ring = PromptRing(buffer)
     features = torch.arange(12, dtype=torch.float32).view(3, 4)
-    encoded = ring.stage(1, features)
-    assert encoded is not None
+    staged = ring.stage(1, [features])
+    assert staged is not None
+    (encoded,) = staged
     message = draft_pb2.PromptFrames(request_id="r")
     encoded.add_to(message.frames)
     again = draft_pb2.PromptFrames.FromString(message.SerializeToString())
@@ -244,7 +247,7 @@ def test_a_shared_frame_is_read_from_the_buffer_and_checked() -> None:
 def test_a_steps_outcome_features_share_one_region_or_go_inline() -> None:
     buffer = torch.zeros(1 << 14, dtype=torch.uint8)
     state = StreamState(budget=1 << 20, frame_bytes=1 << 18, hidden_dtype=torch.float32)
-    state.stage = PromptRing(buffer).stage_many
+    state.stage = PromptRing(buffer).stage
     feed = Feed(4)
     state.build(draft_pb2.SpeculateRequest(step_id=1), [feed.admit("a", 3)], [], [])
     state.tracked["b"] = 5  # as if admitted before
@@ -278,7 +281,7 @@ def test_a_steps_outcome_features_share_one_region_or_go_inline() -> None:
         assert all(o.hidden_states[0].WhichOneof("payload") == "shared_offset" for o in shared)
         offsets = [[f.shared_offset for f in o.hidden_states] for o in shared]
         assert offsets[1][0] - offsets[0][0] == runs[0].features.numel() * 4  # type: ignore[union-attr]
-        state.stage = PromptRing(torch.zeros(8, dtype=torch.uint8)).stage_many  # no room
+        state.stage = PromptRing(torch.zeros(8, dtype=torch.uint8)).stage  # no room
         assert all(f.WhichOneof("payload") == "data" for o in sent(4) for f in o.hidden_states)
     finally:
         draft_stream.SHARED_OUTCOME_BYTES = saved
