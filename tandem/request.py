@@ -62,6 +62,10 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def length_limit(self, max_model_len: int) -> int:
+        """The token count at which it finishes by length: ``max_new_tokens`` or the context."""
+        return min(max_model_len, len(self.prompt_ids) + self.params.max_new_tokens)
+
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

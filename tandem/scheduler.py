@@ -70,14 +70,8 @@ class Scheduler:
         (``max_new_tokens`` or the context) within ``tokens`` more tokens."""
         if self.waiting or not self.running:
             return False
-        return all(
-            min(
-                r.params.max_new_tokens - len(r.output_ids),
-                self.max_model_len - r.num_tokens,
-            )
-            <= tokens
-            for r in self.running
-        )
+        limit = self.max_model_len
+        return all(r.length_limit(limit) - r.num_tokens <= tokens for r in self.running)
 
     def any_speculate(self) -> bool:
         """Whether a running or waiting request may speculate (none opted out of it)."""

@@ -140,9 +140,6 @@ class DeviceChain:
 
     # -- when ---------------------------------------------------------------------------------
 
-    def _limit(self, req: Request) -> int:
-        return min(self.max_model_len, len(req.prompt_ids) + req.params.max_new_tokens)
-
     def has_room(self, req: Request) -> bool:
         """Context for the steps a run may have launched past the last read, and one more.
         ``max_new_tokens`` needs no room: a step that passes it commits up to it (the rest is
@@ -184,7 +181,7 @@ class DeviceChain:
         foreseen; a request they finish still leaves one step launched ahead."""
         room = self.unread * self.width
         return bool(self.reqs) and all(
-            self._limit(req) - req.num_tokens <= room for req in self.reqs
+            req.length_limit(self.max_model_len) - req.num_tokens <= room for req in self.reqs
         )
 
     def stop_reason(self, scheduler: Scheduler) -> str:
@@ -289,6 +286,7 @@ class DeviceChain:
                 req.tree = None
                 continue
             assert tree.tokens[0] == req.tokens[-1], "chain out of step"
-            req.tree = tree.prefix(max(1, self._limit(req) - req.num_computed))
+            room = req.length_limit(self.max_model_len) - req.num_computed
+            req.tree = tree.prefix(max(1, room))
         self.target.end()
         self.reqs = []

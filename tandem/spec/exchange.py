@@ -315,8 +315,8 @@ class DraftExchange:
             if problem is not None:
                 logger.warning("request %s: draft tree rejected (%s)", req.request_id, problem)
                 continue
-            room = min(self.max_model_len, len(req.prompt_ids) + req.params.max_new_tokens)
-            req.tree = tree.prefix(max(1, room - req.num_computed))
+            room = req.length_limit(self.max_model_len) - req.num_computed
+            req.tree = tree.prefix(max(1, room))
 
     def _take_deferred(
         self, released: list[str], *, admits: bool, budget: float
