@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=4)
+    p.add_argument(
+        "--kernels", action="store_true", help="also print the drafter's GPU time by kernel"
+    )
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     paths = write_preset(preset, args.models_dir / f"{preset.name}-bfloat16", device="cuda")
@@ -81,6 +84,15 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.synchronize()
             spent.clear()
             profile = cProfile.Profile() if r == args.repeats + 1 else None
+            kernels = None
+            if args.kernels and r == args.repeats:
+                kernels = torch.profiler.profile(
+                    activities=[
+                        torch.profiler.ProfilerActivity.CPU,
+                        torch.profiler.ProfilerActivity.CUDA,
+                    ]
+                )
+                kernels.__enter__()
             t0 = time.perf_counter_ns()
             if profile is not None:
                 profile.enable()
@@ -88,11 +100,15 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.synchronize()
             if profile is not None:
                 profile.disable()
+            if kernels is not None:
+                kernels.__exit__(None, None, None)
+                table = kernels.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+                print(f"bs {bs}: the prefill step by GPU time\n{table}")
             wall = time.perf_counter_ns() - t0
             while engine.has_unfinished():
                 engine.step()
             engine.flush_draft()
-            if r >= 2 and profile is None:
+            if r >= 2 and profile is None and kernels is None:
                 walls.append(wall / 1e6)
                 drafts.append(sum(spent) / 1e6)
         print(

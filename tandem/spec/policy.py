@@ -23,12 +23,17 @@ what measuring that mode cost: when it loses, they count in the debt with its wi
 
 A new bucket starts in the mode the last step ran (a batch growing or shrinking across a
 bucket boundary keeps its mode until measured), except above a bucket that runs K=0 by its
-measurements: it starts decided for K=0, owing that bucket's debt, and measures speculation
-after ``explore_steps`` (a measured decision, not a cold one). Speculation gains less the
-larger the batch (its verify grows with batch x tree width once the forward is no longer
-memory-bound; a draft service's exchange grows with the batch), so measuring it again at each
-larger size only costs: through the services at bs 64 one round's first windows and re-check
-lost 5-10% of a two-round row.
+measurements, or whose speculation led K=0 by less than ``inherit_k0_below``: it starts
+decided for K=0 and measures speculation once its budget covers the catch-up, after
+``explore_steps`` (a measured decision, not a cold one) or, when predicted from a narrow lead,
+on a first decision's schedule (at bs 8 through the services a lead of 1.31x at bs 1 predicted
+K=0, and speculation won there by 1.14x). Speculation gains less the larger the batch
+(its verify grows with batch x tree width once the forward is no longer memory-bound; a draft
+service's exchange grows with the batch), so measuring it again at each larger size only
+costs: through the services at bs 64 one round's first windows and re-check lost 5-10% of a
+two-round row; in process, where speculation led by 1.26x at bs 32, a cold bs 64 batch
+speculated through its prefill steps (the drafter's intake of every prompt) and its row ran at
+0.945x of target-only, K=0 at 0.98-1.0x.
 
 The first ``settle_steps`` steps after a switch are not measured: the first speculative step
 after K=0 has no trees yet (the draft catches up on the tokens committed meanwhile) and the
@@ -80,6 +85,11 @@ class PolicyConfig:
     # 10-14 us a token (docs/performance.md, AH4-AH5); the prior takes about twice that, so an
     # unmeasured re-check waits rather than loses.
     catch_up_prior_ns_per_token: float = 20_000.0
+    # A new bucket above one whose speculation led K=0 by less than this factor starts at K=0
+    # (and measures speculation when its budget allows): the lead shrinks with the batch. On
+    # an H100, 8B-shaped target with an EAGLE-3 head, in process: 1.71x at bs 8, 1.26x at 32,
+    # within the margin at 64 (docs/performance.md, AH6).
+    inherit_k0_below: float = 1.35
 
     def __post_init__(self) -> None:
         if min(self.window_steps, self.explore_steps, self.first_explore_steps) < 1:
@@ -92,6 +102,8 @@ class PolicyConfig:
             raise ValueError("explore_budget: must be in (0, 1]")
         if self.catch_up_prior_ns_per_token < 0:
             raise ValueError("catch_up_prior_ns_per_token: must be >= 0")
+        if self.inherit_k0_below < 0:
+            raise ValueError("inherit_k0_below: must be >= 0")
 
 
 @dataclass
@@ -116,6 +128,10 @@ class _Bucket:
     # Decided from the bucket below (``SpecPolicy._new_bucket``) and not measured since:
     # re-checks every explore_steps (a measured decision, not a cold one).
     inherited: bool = False
+    # Decided for K=0 from the narrow lead of speculation below (or from a bucket so
+    # decided), not measured since: a prediction, re-checked on a first decision's schedule,
+    # as soon as the budget covers the catch-up.
+    predicted: bool = False
     ingesting: int = 0  # steps of this window that decoded plainly while the draft took in prompts
     catch_up: tuple[int, int] = (0, 0)  # their (tokens, ns)
     held_at_switch: int = 0  # tokens the draft had to take in when speculation was measured
@@ -224,7 +240,7 @@ class SpecPolicy:
             loss = _loss_ns(*b.catch_up, b.rates[Mode.PLAIN])
             self.catch_up_ns_per_token = loss / b.held_at_switch
         b.typical[b.mode] = statistics.median(b.step_rates)
-        b.inherited = False
+        b.inherited = b.predicted = False
         b.gave_up = b.gave_up and b.mode is Mode.PLAIN
         other = _other(b.mode)
         if other not in b.windows and b.gave_up:  # speculation could not be measured: K=0
@@ -298,23 +314,37 @@ class SpecPolicy:
         return bucket
 
     def _new_bucket(self, key: int) -> _Bucket:
-        """Above the nearest decided bucket that runs K=0: K=0, decided, with its debt (see
-        the module docstring). Otherwise the mode of the last step, measured first: a batch
-        that grows or shrinks into a new bucket keeps its mode while the bucket measures it
-        (switching would cost a catch-up, or a drain, for nothing)."""
+        """Above the nearest decided bucket when it runs K=0 (K=0, with its debt: re-checked
+        every ``explore_steps``) or when its speculation led by less than ``inherit_k0_below``
+        (K=0, predicted: re-checked as a first decision, once the budget covers the catch-up;
+        see the module docstring). Otherwise the mode of the last step, measured
+        first: a batch that grows or shrinks into a new bucket keeps its mode while the bucket
+        measures it (switching would cost a catch-up, or a drain, for nothing)."""
         decided = [k for k, b in self._buckets.items() if k < key and b.decisions]
-        if decided:
-            below = self._buckets[max(decided)]
-            if below.mode is Mode.PLAIN and not below.measuring:
-                logger.info("batch bucket %d: K=0, as the one of %d", key, max(decided))
-                return _Bucket(
-                    mode=Mode.PLAIN,
-                    measuring=False,
-                    decisions=1,
-                    debt_ns=below.debt_ns,
-                    inherited=True,
-                )
-        return _Bucket(mode=self._last)
+        if not decided:
+            return _Bucket(mode=self._last)
+        below = self._buckets[max(decided)]
+        rates = below.rates
+        # Its decision, also while it measures the other mode again (through the services a
+        # bs-64 batch arrived while bs 32's re-check of speculation ran, and measured both).
+        runs = _other(below.mode) if below.measuring else below.mode
+        if runs is Mode.PLAIN:
+            debt, predicted = below.debt_ns, below.predicted
+        elif len(rates) == 2 and (
+            rates[Mode.SPECULATE] < rates[Mode.PLAIN] * self.config.inherit_k0_below
+        ):
+            debt, predicted = 0.0, True  # re-checking costs the catch-up, owed as it grows
+        else:
+            return _Bucket(mode=self._last)
+        logger.info("batch bucket %d: K=0, from the one of %d", key, max(decided))
+        return _Bucket(
+            mode=Mode.PLAIN,
+            measuring=False,
+            decisions=1,
+            debt_ns=debt,
+            inherited=not predicted,
+            predicted=predicted,
+        )
 
     def _owed(self, b: _Bucket) -> float:
         """What measuring the other mode again is expected to cost: the last loss (``debt``)

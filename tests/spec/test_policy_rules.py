@@ -309,6 +309,61 @@ def test_a_bucket_above_one_that_runs_k0_starts_at_k0_owing_its_debt() -> None:
     assert fresh.speculate(64) and fresh._buckets[64].measuring
 
 
+def test_a_bucket_above_one_re_checking_speculation_follows_its_decision() -> None:
+    """Through the services a bs-64 batch arrived while the 32 bucket (K=0, from the 16
+    bucket's decision) measured speculation for the first time: the 64 bucket goes by 32's
+    decision, not by the mode it measures."""
+    config = PolicyConfig(window_steps=4, settle_steps=1, first_explore_steps=8)
+    policy = SpecPolicy(config)
+    spec, plain = (30, 20_000_000), (16, 6_000_000)  # 1500 against 2667 tok/s
+    while not (policy._buckets.get(16) and policy._buckets[16].decisions):
+        on = policy.speculate(16)
+        policy.record(16, *(spec if on else plain))
+    below = None
+    for _ in range(1000):
+        on = policy.speculate(32)
+        below = policy._buckets[32]
+        if below.measuring:
+            break
+        policy.record(32, 32, 6_000_000)
+    assert below is not None and below.inherited and below.mode is Mode.SPECULATE
+    assert not policy.speculate(64) and policy._buckets[64].inherited
+
+
+@pytest.mark.parametrize(("spec_ns", "inherits"), [(10_000_000, True), (8_000_000, False)])
+def test_a_bucket_above_a_narrow_lead_of_speculation_starts_at_k0(
+    spec_ns: int, inherits: bool
+) -> None:
+    """In process at bs 32 speculation led K=0 by 1.26x, and at bs 64 not by the margin: the
+    64 bucket above a lead under ``inherit_k0_below`` starts at K=0 (its prompts' steps never
+    speculate), and measures speculation once its budget covers the catch-up of what K=0
+    holds; above a wider lead it measures as before."""
+    config = PolicyConfig(window_steps=4, settle_steps=1, first_explore_steps=8)
+    policy = SpecPolicy(config)
+    spec, plain = (96, spec_ns), (32, 4_000_000)  # 9600 or 12000 against 8000 tok/s
+    while not (policy._buckets.get(32) and policy._buckets[32].decisions):
+        on = policy.speculate(32)
+        policy.record(32, *(spec if on else plain))
+    assert policy._buckets[32].mode is Mode.SPECULATE
+    lead = policy.rates(32)["speculate"] / policy.rates(32)["plain"]
+    assert (lead < config.inherit_k0_below) is inherits
+    modes = []
+    for _ in range(500):
+        on = policy.speculate(64)
+        modes.append(on)
+        policy.record(64, *((130, 14_000_000) if on else (64, 7_000_000)), held=1024)
+    bucket = policy._buckets[64]
+    if inherits:
+        # A prediction: K=0 until 3% of its time covers 1024 held tokens' catch-up at the
+        # prior (20.5 ms: 98 steps of 7 ms), not explore_steps (400); then speculation is
+        # measured, and K=0 kept.
+        assert not bucket.predicted  # measured since
+        assert modes.index(True) == 98
+        assert bucket.mode is Mode.PLAIN and bucket.decisions >= 2
+    else:
+        assert any(modes[:20]) and bucket.decisions >= 1  # both modes measured at once
+
+
 def test_a_recheck_after_k0_owes_the_catch_up_on_what_k0_holds() -> None:
     """Through the services the draft catches up on everything K=0 held before speculation is
     measured again. The policy learns what a catch-up cost per token taken in and waits, to
