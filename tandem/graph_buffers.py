@@ -5,9 +5,11 @@ and of a runner's set of graphs."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -192,10 +194,29 @@ def capture_graph(
         # thread_local: other threads of the process (the draft client's) may touch CUDA.
         with (
             torch.cuda.device(device),
+            no_collection(),
             torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"),
         ):
             forward()
     return graph
+
+
+@contextmanager
+def no_collection() -> Iterator[None]:
+    """No automatic garbage collection in this block (``torch.cuda.graph`` collects once before
+    it captures): a collection inside a capture runs the finalizers of whatever it frees on
+    the capturing thread, and one that calls CUDA (an event, a pinned buffer, an IPC mapping)
+    invalidates the capture. On an H100 a target's capture failed so in 2 of 4 runs of
+    tests/spec/test_cuda_spec.py (cudaErrorStreamCaptureInvalidated, reported at a Triton
+    launch); collections ran inside captures 3 to 4 times a run. That they caused the failures
+    is not proven (docs/performance.md, AI7)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture_all(

@@ -9,7 +9,17 @@ import itertools
 
 import pytest
 
-from tandem.spec.policy import Mode, PolicyConfig, SpecPolicy
+from tandem.spec.policy import Mode, PolicyConfig, SpecPolicy, _Bucket
+
+
+def _decide(
+    policy: SpecPolicy, batch_size: int, spec: tuple[int, int], plain: tuple[int, int]
+) -> _Bucket:
+    """Steps a bucket (``spec`` or ``plain`` tokens and ns a step) until its first decision."""
+    while not (policy._buckets.get(batch_size) and policy._buckets[batch_size].decisions):
+        on = policy.speculate(batch_size)
+        policy.record(batch_size, *(spec if on else plain))
+    return policy._buckets[batch_size]
 
 
 def test_policy_picks_the_faster_mode_per_batch_size() -> None:
@@ -285,9 +295,7 @@ def test_a_bucket_above_one_that_runs_k0_starts_at_k0_owing_its_debt() -> None:
     config = PolicyConfig(window_steps=4, settle_steps=1, first_explore_steps=8)
     policy = SpecPolicy(config)
     spec, plain = (60, 20_000_000), (32, 6_000_000)  # 3000 against 5333 tok/s
-    while not (policy._buckets.get(32) and policy._buckets[32].decisions):
-        on = policy.speculate(32)
-        policy.record(32, *(spec if on else plain))
+    _decide(policy, 32, spec, plain)
     decided = policy._buckets[32]
     assert decided.mode is Mode.PLAIN and decided.debt_ns > 0
     # Speculation's window: 240 tokens in 80 ms, 45 ms at K=0's rate: 35 ms owed.
@@ -316,12 +324,10 @@ def test_a_bucket_above_one_re_checking_speculation_follows_its_decision() -> No
     config = PolicyConfig(window_steps=4, settle_steps=1, first_explore_steps=8)
     policy = SpecPolicy(config)
     spec, plain = (30, 20_000_000), (16, 6_000_000)  # 1500 against 2667 tok/s
-    while not (policy._buckets.get(16) and policy._buckets[16].decisions):
-        on = policy.speculate(16)
-        policy.record(16, *(spec if on else plain))
+    _decide(policy, 16, spec, plain)
     below = None
     for _ in range(1000):
-        on = policy.speculate(32)
+        policy.speculate(32)
         below = policy._buckets[32]
         if below.measuring:
             break
@@ -341,9 +347,7 @@ def test_a_bucket_above_a_narrow_lead_of_speculation_starts_at_k0(
     config = PolicyConfig(window_steps=4, settle_steps=1, first_explore_steps=8)
     policy = SpecPolicy(config)
     spec, plain = (96, spec_ns), (32, 4_000_000)  # 9600 or 12000 against 8000 tok/s
-    while not (policy._buckets.get(32) and policy._buckets[32].decisions):
-        on = policy.speculate(32)
-        policy.record(32, *(spec if on else plain))
+    _decide(policy, 32, spec, plain)
     assert policy._buckets[32].mode is Mode.SPECULATE
     lead = policy.rates(32)["speculate"] / policy.rates(32)["plain"]
     assert (lead < config.inherit_k0_below) is inherits
@@ -373,9 +377,7 @@ def test_a_recheck_after_k0_owes_the_catch_up_on_what_k0_holds() -> None:
     policy = SpecPolicy(config)
     spec, plain = (60, 20_000_000), (32, 6_000_000)  # 3000 against 5333 tok/s
     held = 0
-    while not (policy._buckets.get(32) and policy._buckets[32].decisions):
-        on = policy.speculate(32)
-        policy.record(32, *(spec if on else plain))
+    _decide(policy, 32, spec, plain)
     bucket = policy._buckets[32]
     # Nothing was held: no catch-up measured yet, the prior stands.
     assert policy.catch_up_ns_per_token == config.catch_up_prior_ns_per_token
