@@ -209,7 +209,7 @@ def no_collection() -> Iterator[None]:
     invalidates the capture. On an H100 a target's capture failed so in 2 of 4 runs of
     tests/spec/test_cuda_spec.py (cudaErrorStreamCaptureInvalidated, reported at a Triton
     launch); collections ran inside captures 3 to 4 times a run. That they caused the failures
-    is not proven (docs/performance.md, AI7)."""
+    is not proven (docs/performance.md, AI8)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
