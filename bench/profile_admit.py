@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument(
-        "--kernels", action="store_true", help="also print the drafter's GPU time by kernel"
+        "--kernels", action="store_true", help="also print one prefill step's GPU time by kernel"
     )
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                         torch.profiler.ProfilerActivity.CUDA,
                     ]
                 )
-                kernels.__enter__()
+                kernels.start()
             t0 = time.perf_counter_ns()
             if profile is not None:
                 profile.enable()
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
             if profile is not None:
                 profile.disable()
             if kernels is not None:
-                kernels.__exit__(None, None, None)
+                kernels.stop()
                 table = kernels.key_averages().table(sort_by="self_device_time_total", row_limit=30)
                 print(f"bs {bs}: the prefill step by GPU time\n{table}")
             wall = time.perf_counter_ns() - t0

@@ -295,8 +295,7 @@ def test_a_bucket_above_one_that_runs_k0_starts_at_k0_owing_its_debt() -> None:
     config = PolicyConfig(window_steps=4, settle_steps=1, first_explore_steps=8)
     policy = SpecPolicy(config)
     spec, plain = (60, 20_000_000), (32, 6_000_000)  # 3000 against 5333 tok/s
-    _decide(policy, 32, spec, plain)
-    decided = policy._buckets[32]
+    decided = _decide(policy, 32, spec, plain)
     assert decided.mode is Mode.PLAIN and decided.debt_ns > 0
     # Speculation's window: 240 tokens in 80 ms, 45 ms at K=0's rate: 35 ms owed.
     assert decided.debt_ns == pytest.approx(35e6, rel=1e-3)
@@ -347,8 +346,7 @@ def test_a_bucket_above_a_narrow_lead_of_speculation_starts_at_k0(
     config = PolicyConfig(window_steps=4, settle_steps=1, first_explore_steps=8)
     policy = SpecPolicy(config)
     spec, plain = (96, spec_ns), (32, 4_000_000)  # 9600 or 12000 against 8000 tok/s
-    _decide(policy, 32, spec, plain)
-    assert policy._buckets[32].mode is Mode.SPECULATE
+    assert _decide(policy, 32, spec, plain).mode is Mode.SPECULATE
     lead = policy.rates(32)["speculate"] / policy.rates(32)["plain"]
     assert (lead < config.inherit_k0_below) is inherits
     modes = []
@@ -377,8 +375,7 @@ def test_a_recheck_after_k0_owes_the_catch_up_on_what_k0_holds() -> None:
     policy = SpecPolicy(config)
     spec, plain = (60, 20_000_000), (32, 6_000_000)  # 3000 against 5333 tok/s
     held = 0
-    _decide(policy, 32, spec, plain)
-    bucket = policy._buckets[32]
+    bucket = _decide(policy, 32, spec, plain)
     # Nothing was held: no catch-up measured yet, the prior stands.
     assert policy.catch_up_ns_per_token == config.catch_up_prior_ns_per_token
     waited = 0
