@@ -28,10 +28,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tandem.config import EngineConfig  # noqa: E402
-from tandem.engine import Engine, GenerationResult  # noqa: E402
+from tandem.draft.build import DraftConfig, build_drafter  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
-from tandem.spec.build import DraftConfig, build_drafter  # noqa: E402
 from tandem.spec.types import SpecConfig  # noqa: E402
+from tandem.target.engine import Engine, GenerationResult  # noqa: E402
 from tandem.train.prompts import read_prompts  # noqa: E402
 
 SHAPES = ((1, 3, None), (1, 5, None), (4, 5, 16))  # (K, S, N)

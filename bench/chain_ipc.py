@@ -2,11 +2,11 @@
 docs/device-cycle.md's stage 3 without the services' control plane.
 
 This process is the target: the preset's 8B-shaped target with its verify bucket, one request
-prefilled, and the target half of device-chain steps (``tandem/spec/chain_target.py``). A child
+prefilled, and the target half of device-chain steps (``tandem/target/chain_verify.py``). A child
 process is the draft: the preset's EAGLE-3 head with its draft graphs, the same request
 admitted (random prompt features: acceptance is simulated), and the draft half
-(``tandem/spec/chain_draft.py``). They hand off through the halves' own buffers shared with
-CUDA IPC (``tandem/ipc.py``: ``Outcome`` allocated by the draft, ``Chains`` by the
+(``tandem/draft/chain_draft.py``). They hand off through the halves' own buffers shared with
+CUDA IPC (``tandem/link/ipc.py``: ``Outcome`` allocated by the draft, ``Chains`` by the
 target) and one interprocess event a side: a side records its event after its half and sends
 one byte; the other enqueues a wait on that event, then its half. No host waits for the GPU
 inside a cycle; the target reads each verdict a step late, as the engine does.
@@ -35,18 +35,19 @@ from pathlib import Path
 
 import torch
 
-from tandem import ipc
 from tandem.bench.models import write_preset
 from tandem.bench.presets import PRESETS
 from tandem.config import EngineConfig
-from tandem.engine import Engine
+from tandem.draft.build import DraftConfig, build_drafter
+from tandem.draft.chain_draft import DraftChain
+from tandem.draft.drafter import ModelDrafter
+from tandem.link import ipc
 from tandem.sampling import SamplingParams
-from tandem.spec.build import DraftConfig, build_drafter
-from tandem.spec.chain_draft import Chains, DraftChain, Outcome
-from tandem.spec.chain_target import TargetChain
-from tandem.spec.drafter import ModelDrafter
+from tandem.spec.chain_buffers import Chains, Outcome
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree
+from tandem.target.chain_verify import TargetChain
+from tandem.target.engine import Engine
 
 PAGES = 512  # each pool, 16-token pages: far more than one request's cycles need
 

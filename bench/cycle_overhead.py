@@ -31,14 +31,14 @@ from pathlib import Path
 
 import grpc
 
+from tandem.apps.demo import free_port, random_models
+from tandem.apps.launch import build_stack
 from tandem.config import EngineConfig
-from tandem.demo import free_port, random_models
-from tandem.engine import Engine
-from tandem.launch import build_stack
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
-from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig
+from tandem.target.engine import Engine
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 

@@ -31,14 +31,14 @@ from typing import Any
 import grpc
 import torch
 
+from tandem.apps.client import generate_one
+from tandem.apps.demo import free_port
+from tandem.apps.embedded import family_dir
+from tandem.apps.launch import build_stack
 from tandem.bench import hf
-from tandem.client import generate_one
 from tandem.config import EngineConfig
-from tandem.demo import free_port
-from tandem.embedded import family_dir
-from tandem.engine import Engine
-from tandem.launch import build_stack
 from tandem.sampling import SamplingParams
+from tandem.target.engine import Engine
 from tandem.train.prompts import read_prompts
 from tandem.v1 import common_pb2, gateway_pb2_grpc
 

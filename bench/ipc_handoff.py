@@ -19,7 +19,7 @@ and the draft's graph writes the tree the target reads next (``--tree-tokens`` i
 
 Prints cycle ms, idle (1 - (verify + draft) / cycle, with each graph timed alone), and the
 cycle over the floor. CUDA only; no pickle crosses the socket, only raw bytes: IPC handles
-(``tandem/ipc.py``), the messages, one-byte notices.
+(``tandem/link/ipc.py``), the messages, one-byte notices.
 
     python bench/ipc_handoff.py [--cycles 300] [--verify-ms 6.2] [--draft-ms 1.1] [--json]
 """
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from tandem import ipc
+from tandem.link import ipc
 
 _send, _recv = ipc.send_frame, ipc.recv_frame
 ROWS, COLS = 32768, 16384  # a 1 GiB bf16 weight: every pass streams it from HBM (L2 is 50 MiB)

@@ -25,10 +25,10 @@ import torch
 from tandem.bench.models import llama_config
 from tandem.bench.presets import PRESETS
 from tandem.config import EngineConfig
-from tandem.engine import Engine
 from tandem.models import DecoderLM
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
+from tandem.target.engine import Engine
 
 
 def random_model(preset: str, device: str, dtype: torch.dtype, num_layers: int | None) -> DecoderLM:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="decode ahead (tandem/ahead.py): launch each step before reading the last",
+        help="decode ahead (tandem/target/ahead.py): launch each step before reading the last",
     )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)

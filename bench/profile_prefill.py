@@ -5,7 +5,7 @@ without a draft, then per ``--prompt-lens`` entry runs prompts one at a time (ea
 step, ``max_new_tokens=1``) and reports the median wall time from ``add_request`` to the
 request's end, synchronised. One 128-token (or the first length's) prefill then runs under
 ``torch.profiler``: GPU busy time, kernel count, the top GPU kernels and host ops.
-``--prefill-graph-tokens off`` measures the eager prefill (``tandem/prefill_graphs.py``).
+``--prefill-graph-tokens off`` measures the eager prefill (``tandem/target/prefill_graphs.py``).
 
     python bench/profile_prefill.py [--preset llama-3.1-8b] [--prompt-lens 16,128,512]
                                     [--prefill-graph-tokens off]
@@ -27,8 +27,8 @@ from profile_decode import random_model
 
 from tandem.bench.presets import PRESETS
 from tandem.config import PREFILL_GRAPH_TOKENS, EngineConfig
-from tandem.engine import Engine
 from tandem.sampling import SamplingParams
+from tandem.target.engine import Engine
 
 
 def main(argv: list[str] | None = None) -> None:

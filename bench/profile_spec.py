@@ -32,14 +32,14 @@ from typing import Any
 import torch
 from profile_decode import PhaseTimer
 
+from tandem.apps.demo import free_port
+from tandem.apps.launch import Stack, build_stack
 from tandem.bench import idle
 from tandem.bench.inprocess import Workload, build_engine, pages_needed, prompts
 from tandem.bench.models import write_preset
 from tandem.bench.presets import PRESETS
-from tandem.demo import free_port
-from tandem.draft_client import RemoteDrafter
-from tandem.launch import Stack, build_stack
-from tandem.local_stream import LocalLink
+from tandem.link.local import LocalLink
+from tandem.link.remote import RemoteDrafter
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 from tandem.spec.types import SpecConfig
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         "--local-stream",
         action="store_true",
         help="with --draft-service: the Speculate stream on the draft's local socket "
-        "(tandem.local_stream)",
+        "(tandem.link.local)",
     )
     p.add_argument(
         "--trace",

@@ -15,5 +15,5 @@ from tandem.bench.cli import bench
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Each device-chain run's start and end (why it ended), between the rows' progress lines.
-    logging.getLogger("tandem.spec.device_chain").setLevel(logging.DEBUG)
+    logging.getLogger("tandem.target.device_chain").setLevel(logging.DEBUG)
     typer.run(bench)

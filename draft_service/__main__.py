@@ -39,16 +39,17 @@ from pathlib import Path
 
 from draft_service.config import DraftServiceConfig
 from draft_service.server import DraftServer, start
-from tandem import security, telemetry
 from tandem.config import DTYPES
-from tandem.serving import (
+from tandem.draft.build import DraftConfig
+from tandem.serving import security, telemetry
+from tandem.serving.rpc import (
     DEFAULT_MAX_MESSAGE_BYTES,
     configure_logging,
     env_default,
     freeze_heap,
     serve,
 )
-from tandem.spec.build import DRAFT_KINDS, MTP_MODES, DraftConfig
+from tandem.spec.types import DRAFT_KINDS, MTP_MODES
 
 logger = logging.getLogger("draft_service")
 

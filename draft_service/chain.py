@@ -1,5 +1,5 @@
 """Device-chain runs on the draft (docs/device-cycle.md): one local stream's ``ChainBegin``,
-``ChainStep`` and ``ChainEnd`` (the target's end is ``tandem/spec/chain_remote.py``), on the
+``ChainStep`` and ``ChainEnd`` (the target's end is ``tandem/link/chain_remote.py``), on the
 engine's worker thread.
 
 A stream gets a :class:`ChainPeer` when the target's hello offered a transport this draft's
@@ -34,12 +34,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem import ipc
+from tandem.draft.chain_draft import DraftChain
+from tandem.draft.drafter import ModelDrafter
 from tandem.errors import InvalidRequest
-from tandem.graph_buffers import Bucket
-from tandem.local_stream import SHARING
-from tandem.spec.chain_draft import Chains, DraftChain, share_on_cpu
-from tandem.spec.drafter import ModelDrafter
+from tandem.graphs.base import Bucket
+from tandem.link import ipc
+from tandem.link.local import SHARING
+from tandem.spec.chain_buffers import Chains, share_on_cpu
 from tandem.v1 import draft_pb2
 
 if TYPE_CHECKING:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.local_stream import check_path
-from tandem.security import ServerTLS
-from tandem.serving import DEFAULT_MAX_MESSAGE_BYTES, format_address
-from tandem.spec.build import DraftConfig
+from tandem.draft.build import DraftConfig
+from tandem.link.local import check_path
+from tandem.serving.rpc import DEFAULT_MAX_MESSAGE_BYTES, format_address
+from tandem.serving.security import ServerTLS
+from tandem.serving.telemetry import check_metrics_port
 from tandem.spec.types import SpecConfig
-from tandem.telemetry import check_metrics_port
 
 MIN_MESSAGE_BYTES = 64 * 1024  # room for a hello, a few outcomes and one small frame
 
@@ -36,7 +36,7 @@ class DraftServiceConfig:
     log_level: str = "INFO"
     tls: ServerTLS | None = None  # TLS (mTLS with require_client_cert) on the port; None = plain
     metrics_port: int | None = None  # Prometheus /metrics on this port; None = none
-    # Also serve Speculate streams on this Unix socket (tandem.local_stream), for a target on
+    # Also serve Speculate streams on this Unix socket (tandem.link.local), for a target on
     # this host; None = gRPC only.
     local_socket: str | None = None
     # On a local stream that shares the device with its target (draft_service/chain.py), a

@@ -23,12 +23,13 @@ import torch
 
 from draft_service.chain import ChainRun
 from draft_service.worker import Worker
-from tandem import profiling, transfer
+from tandem import transfer
 from tandem.config import DTYPES
+from tandem.draft.build import DraftConfig, build_drafter, enable_draft_graphs
+from tandem.draft.drafter import ModelDrafter
 from tandem.models.config import ModelConfig
+from tandem.serving import profiling
 from tandem.spec.base import Drafter
-from tandem.spec.build import DraftConfig, build_drafter, enable_draft_graphs
-from tandem.spec.drafter import ModelDrafter
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
 
 logger = logging.getLogger(__name__)

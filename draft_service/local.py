@@ -1,4 +1,4 @@
-"""The draft's end of the local stream (``tandem.local_stream`` has the protocol): Speculate
+"""The draft's end of the local stream (``tandem.link.local`` has the protocol): Speculate
 streams over a Unix socket, served on the engine's worker thread (``draft_service.worker``):
 the listening socket and every connection are watched there, and a readable connection's
 steps are parsed, run (``DraftEngine.step_here``) and answered without leaving the thread.
@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 from draft_service.chain import ChainPeer, transport_for
 from draft_service.session import StreamSteps
 from tandem.errors import InvalidRequest
-from tandem.local_stream import FrameBuffer, check_path, encode
+from tandem.link.local import FrameBuffer, check_path, encode
 from tandem.v1 import draft_pb2
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
-"""The draft's traces and metrics (tandem.telemetry): one span per request it tracks (a child of
-the target's request span, whose context comes in ``DraftAdmit.trace_context``) and counters of
-its steps, trees and proposed tokens, with its KV pool as gauges. Without ``telemetry.setup``
-all of it is a no-op."""
+"""The draft's traces and metrics (tandem.serving.telemetry): one span per request it tracks (a
+child of the target's request span, whose context comes in ``DraftAdmit.trace_context``) and
+counters of its steps, trees and proposed tokens, with its KV pool as gauges. Without
+``telemetry.setup`` all of it is a no-op."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from opentelemetry import metrics, trace
 
-from tandem import telemetry
+from tandem.serving import telemetry
 from tandem.spec.types import DraftAdmit, Tree
 
 _SERVICE = {"tandem.service": "draft"}

@@ -23,8 +23,9 @@ from draft_service.engine import DraftEngine, DraftInfo
 from draft_service.local import LocalStreams
 from draft_service.observe import DraftMetrics
 from draft_service.session import PROTOCOL_VERSION, StreamSteps
-from tandem import __version__, security, wire
-from tandem.serving import (
+from tandem import __version__, wire
+from tandem.serving import security
+from tandem.serving.rpc import (
     Health,
     add_health,
     bind,

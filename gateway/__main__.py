@@ -5,9 +5,9 @@ Every flag has a ``TANDEM_GATEWAY_<FLAG>`` environment default (e.g. TANDEM_GATE
 Health is NOT_SERVING while the target is not connected (at start, and whenever the stream
 breaks until it is back); SIGTERM turns it NOT_SERVING and drains open calls for ``--grace``.
 
-Security (``tandem.security``, docs/operations.md): ``--tls-cert``/``--tls-key`` put the public
-port on TLS, ``--auth-token``/``--auth-token-file`` require a bearer token on every call except
-health, ``--target-tls-*`` secure the channel to the target (mTLS with a client certificate).
+Security (``tandem.serving.security``, docs/operations.md): ``--tls-cert``/``--tls-key`` put the
+public port on TLS, ``--auth-token``/``--auth-token-file`` require a bearer token on every call
+except health, ``--target-tls-*`` secure the channel to the target (mTLS with a client certificate).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServicer
 from gateway.target_client import TargetClient
-from tandem import security, serving, telemetry
-from tandem.errors import CheckpointError
+from tandem.models.tokenizer import load_tokenizer
+from tandem.serving import rpc, security, telemetry
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger("gateway")
@@ -36,7 +36,7 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_na
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of ``python -m gateway`` with its TANDEM_GATEWAY_* default."""
-    env = serving.env_default
+    env = rpc.env_default
     p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
     p.add_argument(
         "--target-addr",
@@ -127,23 +127,13 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         p.error(str(exc))
 
 
-def load_tokenizer(path: Path) -> Any:
-    """The target's tokenizer, as ``tandem generate`` loads it."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot load a tokenizer ({exc})") from exc
-
-
 @dataclass
 class Gateway:
     """A started gateway: its server (listening on `port`), health and target client."""
 
     server: grpc.aio.Server
     port: int
-    health: serving.Health
+    health: rpc.Health
     client: TargetClient
     servicer: GatewayServicer
 
@@ -159,8 +149,8 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
     if tokenizer is None:
         tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer)
     auth = [security.BearerTokenAuth(config.auth_tokens)] if config.auth_tokens else []
-    server = serving.make_server(max_message_bytes=config.max_message_bytes, interceptors=auth)
-    health = serving.add_health(server, [SERVICE_NAME])
+    server = rpc.make_server(max_message_bytes=config.max_message_bytes, interceptors=auth)
+    health = rpc.add_health(server, [SERVICE_NAME])
 
     async def on_connection_change(connected: bool) -> None:
         await health.set_serving(connected)
@@ -175,9 +165,9 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
     admission = Admission(max_running=config.max_running, max_queue=config.max_queue)
     servicer = GatewayServicer(config, tokenizer, client, admission)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
-    serving.maybe_add_reflection(server, [SERVICE_NAME], config.reflection)
+    rpc.maybe_add_reflection(server, [SERVICE_NAME], config.reflection)
     credentials = None if config.tls is None else security.server_credentials(config.tls)
-    port = serving.bind(server, serving.format_address(config.host, config.port), credentials)
+    port = rpc.bind(server, rpc.format_address(config.host, config.port), credentials)
     await server.start()
     await client.start()
     return Gateway(server=server, port=port, health=health, client=client, servicer=servicer)
@@ -186,14 +176,14 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
 async def main(config: GatewayConfig) -> None:
     observability = telemetry.setup("gateway", metrics_port=config.metrics_port)
     gateway = await start_gateway(config)
-    serving.freeze_heap()  # the tokenizer's tables, above all
+    rpc.freeze_heap()  # the tokenizer's tables, above all
     logger.info(
         "gateway on %s, target %s",
-        serving.format_address(config.host, gateway.port),
+        rpc.format_address(config.host, gateway.port),
         config.target_addr,
     )
-    print(f"READY gateway {serving.format_address(config.host, gateway.port)}", flush=True)
-    await serving.serve(
+    print(f"READY gateway {rpc.format_address(config.host, gateway.port)}", flush=True)
+    await rpc.serve(
         gateway.server, gateway.health, grace=config.grace_s, on_shutdown=gateway.client.close
     )
     observability.shutdown()
@@ -201,5 +191,5 @@ async def main(config: GatewayConfig) -> None:
 
 if __name__ == "__main__":
     _config = parse_args()
-    serving.configure_logging(_config.log_level)
+    rpc.configure_logging(_config.log_level)
     asyncio.run(main(_config))

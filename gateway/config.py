@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.security import MIN_TOKEN_CHARS, ClientTLS, ServerTLS
-from tandem.serving import parse_address
-from tandem.telemetry import check_metrics_port
+from tandem.serving.rpc import parse_address
+from tandem.serving.security import MIN_TOKEN_CHARS, ClientTLS, ServerTLS
+from tandem.serving.telemetry import check_metrics_port
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

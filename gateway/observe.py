@@ -1,4 +1,4 @@
-"""The gateway's traces and metrics (tandem.telemetry).
+"""The gateway's traces and metrics (tandem.serving.telemetry).
 
 Each Generate call gets one request span named ``text_completion {model}`` with GenAI
 semantic-convention attributes (``gen_ai.operation.name``, ``gen_ai.request.*``,
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from opentelemetry import metrics, trace
 
-from tandem import telemetry
+from tandem.serving import telemetry
 from tandem.v1 import common_pb2, target_pb2
 
 OPERATION = "text_completion"

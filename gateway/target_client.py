@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import grpc
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
-from tandem import serving
 from tandem.errors import TandemError
-from tandem.security import ClientTLS, open_channel
+from tandem.serving import rpc
+from tandem.serving.security import ClientTLS, open_channel
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class TargetClient:
         on_connection_change: Callable[[bool], Awaitable[None]] | None = None,
         rpc_timeout_s: float = 5.0,
         backoff_max_s: float = 2.0,
-        max_message_bytes: int = serving.DEFAULT_MAX_MESSAGE_BYTES,
+        max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES,
         tls: ClientTLS | None = None,
     ) -> None:
         self.address = address
@@ -104,7 +104,7 @@ class TargetClient:
         """Starts connecting in the background; returns at once."""
         if self._task is not None:
             raise RuntimeError("TargetClient already started")
-        options = [*serving.channel_options(self._max_message_bytes), *_RECONNECT_OPTIONS]
+        options = [*rpc.channel_options(self._max_message_bytes), *_RECONNECT_OPTIONS]
         self._channel = open_channel(self.address, tls=self.tls, options=options)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
         self._task = asyncio.create_task(self._run(), name="target-control")

@@ -1,6 +1,6 @@
 """Torch reference of `paged.py`'s `paged_inputs`: the per-step inputs of a graph bucket whose
 rows are computed on the device from each row's base (device-chain steps,
-``tandem/spec/chain_target.py`` and ``chain_draft.py``): positions, KV slots through the page
+``tandem/target/chain_verify.py`` and ``chain_draft.py``): positions, KV slots through the page
 table, sequence and prefix lengths, and optionally the tree mask of the kept tokens.
 
 Row ``i`` of a bucket of width ``w`` covers the KV indices ``prefix[i] + offset + j`` for

@@ -1,5 +1,5 @@
 """``python -m tandem`` is the ``tandem`` command."""
 
-from tandem.cli import app
+from tandem.apps.cli import app
 
 app()

@@ -31,27 +31,27 @@ class EngineConfig:
     num_pages: int | None = None  # KV pool size in pages; wins over kv_cache_bytes
     kv_cache_bytes: int | None = None  # KV pool size as a memory budget
     gpu_memory_utilization: float = 0.85  # share of free GPU memory for KV when unsized
-    # Decode/verify steps through CUDA graphs (tandem/graphs.py); None = on for CUDA devices.
+    # Decode/verify steps through CUDA graphs (tandem/target/graphs.py); None = on for CUDA devices.
     cuda_graphs: bool | None = None
     # Captured batch sizes; sizes past the first one >= max_num_seqs are never captured.
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     # With graphs: token counts at which a prompt chunk alone in its step replays a CUDA graph
-    # (tandem/prefill_graphs.py); counts past max_num_batched_tokens are never captured;
+    # (tandem/target/prefill_graphs.py); counts past max_num_batched_tokens are never captured;
     # () = every prompt chunk runs eagerly.
     prefill_graph_tokens: tuple[int, ...] = PREFILL_GRAPH_TOKENS
     # Perf only (tandem.spec.simulate): accept this mean length whatever the drafts are; the
     # output is then not the target's. Set by `tandem bench` and TANDEM_SIMULATE_ACCEPT_LENGTH.
     simulate_accept_length: float | None = None
     # "fixed": speculate every step (with a drafter); "adaptive": per batch size, speculate
-    # only while it commits more tokens per second than K=0 decoding (tandem/spec/policy.py);
+    # only while it commits more tokens per second than K=0 decoding (tandem/target/policy.py);
     # "k0": never (the draft stays attached and in step; measures the K=0 path).
     spec_policy: str = "fixed"
     # Plain greedy decode steps (target-only, K=0) launch the next step before reading the
-    # last one (tandem/ahead.py); False runs every step synchronously.
+    # last one (tandem/target/ahead.py); False runs every step synchronously.
     overlap: bool = True
     # Steady greedy chain speculation runs as device-chain steps: each launched before the
-    # last one is read (tandem/spec/device_chain.py), with an in-process drafter or a draft
-    # service on the local stream (tandem/spec/chain_remote.py). Needs graphs.
+    # last one is read (tandem/target/device_chain.py), with an in-process drafter or a draft
+    # service on the local stream (tandem/link/chain_remote.py). Needs graphs.
     device_chain: bool = False
     # The target's projection weights stored transposed (DecoderLM.use_transposed_weights):
     # cuBLAS's faster layout for decode-sized GEMMs; None = on for CUDA devices.

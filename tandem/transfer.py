@@ -44,7 +44,7 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 def device_ints(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
     """``values`` as int64 on ``device`` (``to_device``): nothing waits for the stream, so the
-    step decoding ahead (tandem/ahead.py) may use it."""
+    step decoding ahead (tandem/target/ahead.py) may use it."""
     return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
@@ -101,3 +101,8 @@ def _recorded() -> torch.cuda.Event:
     done = torch.cuda.Event()
     done.record()
     return done
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    """Bytes of ``t``'s elements (0 for None)."""
+    return 0 if t is None else t.numel() * t.element_size()

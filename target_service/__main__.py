@@ -3,7 +3,7 @@
 Every flag has a ``TANDEM_TARGET_<FLAG>`` environment default (e.g. TANDEM_TARGET_PORT).
 Health is NOT_SERVING until the model is loaded and a warm-up step ran; SIGTERM drains.
 ``--tls-cert``/``--tls-key`` (+ ``--tls-client-ca --require-client-cert`` for mutual TLS) secure
-the port; ``--draft-tls-*`` the channel to the draft (``tandem.security``).
+the port; ``--draft-tls-*`` the channel to the draft (``tandem.serving.security``).
 
 ``TANDEM_SIMULATE_ACCEPT_LENGTH=A`` (environment only, no flag; benchmarks only) forces a mean
 accept length A whatever the drafts are (``tandem.spec.simulate``): the output is then NOT the
@@ -20,13 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tandem import __version__, security, serving, telemetry, transfer
+from tandem import __version__, transfer
 from tandem.config import PREFILL_GRAPH_TOKENS, SPEC_POLICIES, EngineConfig
-from tandem.engine import Engine
 from tandem.sampling import SamplingParams
+from tandem.serving import rpc, security, telemetry
 from tandem.spec import simulate
-from tandem.spec.build import DRAFT_KINDS
-from tandem.spec.types import SpecConfig
+from tandem.spec.types import DRAFT_KINDS, SpecConfig
+from tandem.target.engine import Engine
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.config import TargetServiceConfig
 from target_service.engine import TargetLoop
@@ -47,7 +47,7 @@ _KINDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of ``python -m target_service`` with its TANDEM_TARGET_* default."""
-    env = serving.env_default
+    env = rpc.env_default
     p = argparse.ArgumentParser(prog="python -m target_service", description=__doc__)
     p.add_argument("--target", type=Path, default=env("TANDEM_TARGET_TARGET", None))
     p.add_argument("--host", default=env("TANDEM_TARGET_HOST", "127.0.0.1"))
@@ -178,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> TargetServiceConfig:
     a = p.parse_args(argv)
     if a.target is None:
         p.error("--target (or TANDEM_TARGET_TARGET) is required")
-    serving.configure_logging(a.log_level)
+    rpc.configure_logging(a.log_level)
     try:
         return _config(a)
     except ValueError as exc:
@@ -190,7 +190,7 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
     if a.draft_addr:
         tokens = None if a.spec_tokens is None else int(a.spec_tokens)
         spec = SpecConfig(num_steps=a.spec_steps, topk=a.spec_topk, num_draft_tokens=tokens)
-    simulated = serving.env_default(simulate.ENV_VAR, None)
+    simulated = rpc.env_default(simulate.ENV_VAR, None)
     accept_length = None
     if simulated is not None:
         accept_length = simulate.parse_accept_length(
@@ -237,11 +237,11 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
 
 async def main(config: TargetServiceConfig) -> None:
     observability = telemetry.setup("target_service", metrics_port=config.metrics_port)
-    server = serving.make_server(max_message_bytes=config.max_message_bytes)
-    health = serving.add_health(server)
+    server = rpc.make_server(max_message_bytes=config.max_message_bytes)
+    health = rpc.add_health(server)
     drafter = None
     if config.draft_addr is not None:
-        from tandem.draft_client import RemoteDrafter
+        from tandem.link.remote import RemoteDrafter
         from tandem.models.config import ModelConfig
 
         layers = ModelConfig.from_pretrained(config.model_dir).num_layers
@@ -265,19 +265,19 @@ async def main(config: TargetServiceConfig) -> None:
     )
     info = get_info(engine, config)
     target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(loop, info), server)
-    serving.maybe_add_reflection(
+    rpc.maybe_add_reflection(
         server,
         [target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name],
         config.reflection,
     )
     credentials = None if config.tls is None else security.server_credentials(config.tls)
-    port = serving.bind(server, serving.format_address(config.host, config.port), credentials)
+    port = rpc.bind(server, rpc.format_address(config.host, config.port), credentials)
     await server.start()
     await asyncio.to_thread(_on_device, config.engine.device, warm_up, engine)
-    serving.freeze_heap()
+    rpc.freeze_heap()
     loop.start()
-    await health.set("", serving.SERVING)
-    await health.set("tandem.v1.TargetService", serving.SERVING)
+    await health.set("", rpc.SERVING)
+    await health.set("tandem.v1.TargetService", rpc.SERVING)
     logger.info("target service ready on %s:%d", config.host, port)
     print(f"READY target {config.host}:{port}", flush=True)
 
@@ -286,7 +286,7 @@ async def main(config: TargetServiceConfig) -> None:
         if drafter is not None:
             drafter.close()
 
-    await serving.serve(server, health, grace=config.grace_s, on_shutdown=shutdown)
+    await rpc.serve(server, health, grace=config.grace_s, on_shutdown=shutdown)
     observability.shutdown()
 
 

@@ -6,10 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.config import EngineConfig
-from tandem.security import ClientTLS, ServerTLS
-from tandem.spec.build import DRAFT_KINDS
-from tandem.spec.types import SpecConfig
-from tandem.telemetry import check_metrics_port
+from tandem.serving.security import ClientTLS, ServerTLS
+from tandem.serving.telemetry import check_metrics_port
+from tandem.spec.types import DRAFT_KINDS, SpecConfig
 
 
 @dataclass(frozen=True, kw_only=True)

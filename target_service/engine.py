@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from tandem import profiling, transfer, wire
-from tandem.engine import Engine
+from tandem import transfer, wire
 from tandem.errors import InvalidRequest, NotFound, TandemError
 from tandem.request import FinishReason, RequestOutput
 from tandem.sampling import SamplingParams
+from tandem.serving import profiling
 from tandem.spec.types import SpecStats
+from tandem.target.engine import Engine
 from tandem.v1 import common_pb2, target_pb2
 from target_service.observe import TargetObserver
 

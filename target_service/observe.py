@@ -1,4 +1,4 @@
-"""The target's traces and metrics (tandem.telemetry): one span per request, per-step spans
+"""The target's traces and metrics (tandem.serving.telemetry): one span per request, per-step spans
 behind ``TANDEM_STEP_TRACE_RATIO``, and the spec-decoding counters vLLM exports (drafts, draft
 tokens, accepted tokens, accepted per position) plus fallback steps, accept length, step time,
 KV pages and queue depth. All of it runs on the engine thread; without ``telemetry.setup`` it is
@@ -12,11 +12,11 @@ from collections.abc import Callable, Mapping
 
 from opentelemetry import metrics, trace
 
-from tandem import telemetry
 from tandem.clock import StepTiming
-from tandem.engine import Engine
 from tandem.request import RequestOutput
+from tandem.serving import telemetry
 from tandem.spec.types import SpecStats
+from tandem.target.engine import Engine
 
 _SERVICE = {"tandem.service": "target"}
 

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem import wire
-from tandem.engine import MAX_LANES
 from tandem.errors import InvalidRequest
 from tandem.request import FinishReason
+from tandem.target.engine import MAX_LANES
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import Abort, Admit, Detach, Move, TargetLoop
 

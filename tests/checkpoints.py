@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tandem.random_model import ARCHS, make_checkpoint
+from tandem.testing.random_model import ARCHS, make_checkpoint
 
 __all__ = ["ARCHS", "hf_greedy", "load_hf", "make_checkpoint"]
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine import Engine
-from tandem.graphs import Bucket, TargetGraphRunner
-from tandem.runner import ModelInputs, ModelOutputs
 from tandem.sampling import SamplingParams
-from tandem.scheduler import ScheduledBatch
+from tandem.target.engine import Engine
+from tandem.target.graphs import Bucket, TargetGraphRunner
+from tandem.target.runner import ModelInputs, ModelOutputs
+from tandem.target.scheduler import ScheduledBatch
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Shadow:
     are kept (steps decoding ahead too: their eager twin takes the same device ids). With
     ``twin`` (a capture-free runner over the same model and KV), a graph replay must also match
     the same step run eagerly on static buffers. Prompt chunks run by the prefill graphs
-    (``tandem.prefill_graphs``) are checked against their eager step the same way and listed
+    (``tandem.target.prefill_graphs``) are checked against their eager step the same way and listed
     in ``prefills`` as (width, chunk length, ends the prompt)."""
 
     engine: Engine

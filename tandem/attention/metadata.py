@@ -105,7 +105,7 @@ class AttentionMetadata:
 class GraphMetadata:
     """A CUDA-graph bucket's metadata: ``bs`` requests of ``width`` query rows each, every
     request masked (prefix + tree mask), or every request causal when ``tree_mask`` and
-    ``prefix_lens`` are None (``tandem.prefill_graphs``: a prompt chunk). The tensors are the
+    ``prefix_lens`` are None (``tandem.target.prefill_graphs``: a prompt chunk). The tensors are the
     graph runner's static buffers, refilled in place before each replay; nothing here lives on
     the host, because a captured forward must not read lengths there. A request with fewer real
     rows pads the rest (slot -1, mask 0); a padding request has ``seq_len = prefix_len = 0``

@@ -27,8 +27,8 @@ from typing import Any
 from google.protobuf import json_format
 
 import target_service.__main__ as target_main
-from tandem import serving
 from tandem.bench import stalls
+from tandem.serving import rpc
 from tandem.v1 import target_pb2
 from target_service.engine import TargetLoop
 
@@ -76,7 +76,7 @@ def read_steps(path: Path, windows: list[tuple[int, int]]) -> list[target_pb2.St
 
 
 if __name__ == "__main__":
-    serving.log_gc_pauses(logger)
+    rpc.log_gc_pauses(logger)
     stalls.log_stalls(logger)
     logging.getLogger("target_service.engine").setLevel(logging.DEBUG)  # admission bursts
     step_log = os.environ.get(ENV_STEP_LOG)

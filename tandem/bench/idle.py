@@ -1,4 +1,4 @@
-"""GPU idle time from the services' step-window profiles (``tandem.profiling``).
+"""GPU idle time from the services' step-window profiles (``tandem.serving.profiling``).
 
 Every file holds one process's window and its device-busy intervals on the host's wall clock.
 Per device (a physical GPU, named by its UUID so that two processes' ordinals need not agree)
@@ -7,8 +7,8 @@ draft running at once count once), and over the common window, the overlap of al
 processes' windows, this reports the busy time, the idle fraction, the idle gaps (the largest
 with their offset from the window's start) and each process's own busy fraction. A window its
 steps did not close (``closed`` in the file: a loop that went idle, followed another's window
-or stopped; ``tandem.profiling``) is merged like any other: it holds every step the process ran
-in it; the report lists such windows with their step counts.
+or stopped; ``tandem.serving.profiling``) is merged like any other: it holds every step the process
+ran in it; the report lists such windows with their step counts.
 
 ``python -m tandem.bench.idle DIR... [--json] [--top N]`` prints it for the ``*.json`` files
 in the directories (docs/performance.md, "GPU idle").
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tandem.profile_file import FORMAT_VERSION
+from tandem.serving.profile_file import FORMAT_VERSION
 
 Interval = tuple[int, int]  # [start_ns, end_ns)
 LONG_GAP_NS = 100_000  # 0.1 ms: far above a kernel launch gap (a few us)

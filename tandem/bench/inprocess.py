@@ -18,13 +18,13 @@ from typing import Any
 
 from tandem.bench.report import Row, median_ms, percentile
 from tandem.config import EngineConfig
-from tandem.engine import Engine
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.models import DecoderLM
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 from tandem.spec.base import Drafter
-from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig, SpecStats
+from tandem.target.engine import Engine
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,8 +71,8 @@ def build_engine(
 ) -> Engine:
     """An engine over ``model`` (loaded from ``target`` when None), speculating with
     ``spec`` through ``drafter`` (default: the in-process drafter of ``draft``); ``overlap``
-    decodes ahead (``tandem.ahead``), ``device_chain`` runs steady chain speculation as
-    device-chain steps (``tandem/spec/device_chain.py``; needs CUDA graphs), ``batch_invariant``
+    decodes ahead (``tandem.target.ahead``), ``device_chain`` runs steady chain speculation as
+    device-chain steps (``tandem/target/device_chain.py``; needs CUDA graphs), ``batch_invariant``
     runs the target's batch-invariant kernels (EngineConfig.batch_invariant)."""
     config = EngineConfig(
         model=target,

@@ -5,7 +5,7 @@ layers) and a standalone assistant LM with the same vocabulary for transformers'
 generation. The target's tensors are drawn on the device in its dtype, one at a time, and
 written as safetensors shards with an index, so a Llama-3.1-8B-shaped bf16 target (16 GB)
 takes seconds of GPU time plus the disk. The EAGLE-3 head comes from
-``tandem.random_drafts`` (its SpecForge layout is tested there).
+``tandem.testing.random_drafts`` (its SpecForge layout is tested there).
 
 Random weights mean random acceptance: pair these with ``--simulate-accept-length``.
 
@@ -53,8 +53,8 @@ def write_preset(
 ) -> PresetPaths:
     """Writes (or reuses, when ``root`` holds the same preset, dtype and seed) the preset's
     target, EAGLE-3 head and assistant under ``root``."""
-    from tandem.random_drafts import make_eagle3_checkpoint
-    from tandem.random_model import write_tokenizer
+    from tandem.testing.random_drafts import make_eagle3_checkpoint
+    from tandem.testing.random_model import write_tokenizer
 
     dtype = dtype or preset.dtype
     paths = PresetPaths(root / "target", root / "eagle3", root / "assistant")

@@ -14,7 +14,7 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
-# Specials of tandem.random_model's word-level tokenizer, so tokenizer and config agree.
+# Specials of tandem.testing.random_model's word-level tokenizer, so tokenizer and config agree.
 SPECIALS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 

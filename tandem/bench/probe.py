@@ -1,5 +1,5 @@
 """``tandem bench --profile-idle``: where and over which steps the services profile one round
-per row (``tandem.profiling`` step windows, armed by a file), and collecting the idle figure
+per row (``tandem.serving.profiling`` step windows, armed by a file), and collecting the idle figure
 (``tandem.bench.idle``) into the row."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem import profiling
 from tandem.bench import idle
 from tandem.bench.inprocess import Workload
 from tandem.bench.report import Row
 from tandem.config import EngineConfig
+from tandem.serving import profiling
 
 
 @dataclass(frozen=True, kw_only=True)

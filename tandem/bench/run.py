@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from tandem import serving
 from tandem.bench import hf, inprocess, services
 from tandem.bench.inprocess import Workload
 from tandem.bench.probe import plan_probe, probe_window
@@ -23,6 +22,7 @@ from tandem.bench.sol import copy_bandwidth, kv_bytes_per_token, t_verify_min, w
 from tandem.config import DTYPES, SPEC_POLICIES
 from tandem.models import load_model
 from tandem.models.config import ModelConfig
+from tandem.serving import rpc
 from tandem.spec.types import SpecConfig
 
 logger = logging.getLogger(__name__)
@@ -99,8 +99,8 @@ def run_bench(
     config: BenchConfig, say: Callable[[str], None] = logger.info
 ) -> tuple[dict[str, Any], list[Row]]:
     """Runs the configured modes; returns the settings block and the rows."""
-    serving.log_gc_pauses(logger, min_ms=10.0)  # a slow step may be a collection: say so
-    serving.freeze_heap()  # the imports: a full collection would walk them in every row
+    rpc.log_gc_pauses(logger, min_ms=10.0)  # a slow step may be a collection: say so
+    rpc.freeze_heap()  # the imports: a full collection would walk them in every row
     model_config = ModelConfig.from_pretrained(config.target)
     torch_dtype = DTYPES[config.dtype]
     bandwidth = copy_bandwidth(config.device)
@@ -186,10 +186,10 @@ def _device_name(device: str) -> str:
 
 def _free() -> None:
     """Collects what the last engine or model left, then hides the rest from the collector
-    again (serving.freeze_heap): a full collection over the imports alone (about 365 000
+    again (rpc.freeze_heap): a full collection over the imports alone (about 365 000
     objects, torch and transformers) takes 200-290 ms, a stalled step in a row."""
     gc.unfreeze()  # what freeze_heap hid is collectable again
-    serving.freeze_heap()  # a full collection, then the survivors hidden
+    rpc.freeze_heap()  # a full collection, then the survivors hidden
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -230,7 +230,7 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
             device_chain=device_chain,
             batch_invariant=config.batch_invariant,
         )
-        serving.freeze_heap()  # as the services do once loaded: no full collection walks it
+        rpc.freeze_heap()  # as the services do once loaded: no full collection walks it
         for bs in config.batch_sizes:
             say(f"{mode} bs={bs}")
             steps_file = None
@@ -257,7 +257,7 @@ def _services(
     device_chain: bool = False,
 ) -> list[Row]:
     """Rows through a started stack: ``services`` and ``services-control`` with the draft's
-    local stream (``tandem.local_stream``), ``services-chain`` and ``services-chain-control``
+    local stream (``tandem.link.local``), ``services-chain`` and ``services-chain-control``
     with device-chain steps over it (the target's ``--device-chain``), or ``services-grpc``
     (gateway only) without it. ``services-plain``, on the local stream's stack before each
     batch size's ``services`` rows: the same gateway rounds with speculation turned off per

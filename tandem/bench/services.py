@@ -1,4 +1,4 @@
-"""Speculation through the three services (``tandem.launch.build_stack`` on loopback).
+"""Speculation through the three services (``tandem.apps.launch.build_stack`` on loopback).
 
 Two measurements per batch size, each its own row:
 
@@ -17,7 +17,7 @@ and its GIL stalls watched; the forward timed by events, as in process) and, wit
 ``simulate_accept_length``, with ``TANDEM_SIMULATE_ACCEPT_LENGTH`` in its environment.
 
 With an :class:`IdleProbe` (``tandem bench --profile-idle``) the target's and the draft's
-step-window profilers (``tandem.profiling``) wait on an arm file; after a row's measured
+step-window profilers (``tandem.serving.profiling``) wait on an arm file; after a row's measured
 rounds one more round runs with them armed, into a fresh directory per batch size and row,
 and its GPU idle (``tandem.bench.idle``) joins the row. The measured rounds are never
 profiled, so the other columns do not carry the profiler's cost.
@@ -36,12 +36,12 @@ import grpc
 from google.protobuf import json_format
 
 from draft_service import session
+from tandem.apps.demo import free_port
+from tandem.apps.launch import Stack, build_stack
 from tandem.bench import bench_target
 from tandem.bench.inprocess import Workload, fill_latency, prompts
 from tandem.bench.probe import IdleProbe
 from tandem.bench.report import Row, median_ms
-from tandem.demo import free_port
-from tandem.launch import Stack, build_stack
 from tandem.spec import simulate
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 

@@ -24,7 +24,7 @@ class Drafter(ABC):
     # process a speculating step sends everything due at once (only K=0 flushes are paced).
     remote: bool = False
     # A draft service whose prompts travel through a buffer it shares on this host
-    # (``tandem.prompt_ring.PromptRing``): taking them in costs no serialisation.
+    # (``tandem.link.prompt_ring.PromptRing``): taking them in costs no serialisation.
     shares_prompts: bool = False
     # Time spent in draft model compute (forwards, logits, top-k) so far, host clock; for a
     # remote draft, what its answers reported. Benchmarks subtract it from cycle times.

@@ -11,6 +11,11 @@ import torch
 
 from tandem.errors import InvalidRequest
 
+# The draft kinds every service knows (docs/design.md, "The speculative cycle"), and the two ways
+# an MTP draft feeds its heads.
+DRAFT_KINDS = ("eagle3", "eagle", "mtp", "model", "ngram")
+MTP_MODES = ("chain", "target")
+
 
 @dataclass(frozen=True, kw_only=True)
 class SpecConfig:

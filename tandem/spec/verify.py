@@ -210,7 +210,7 @@ def commit(
 def decode_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain greedy decoding without penalties, on the device: each row's choice and its
     log-probability ([rows] int64, [rows] float32), exactly what ``verify`` commits for a tree
-    of one node (``tandem.ahead`` reads them a step later)."""
+    of one node (``tandem.target.ahead`` reads them a step later)."""
     ids, logprobs, _ = _ops(logits.device).top1(logits.float())
     return ids, logprobs
 

@@ -1,6 +1,6 @@
 """``tandem train-draft``: train a draft of any kind for a target checkpoint.
 
-Registered on the ``tandem`` app by :mod:`tandem.cli`; heavy imports happen inside the command.
+Registered on the ``tandem`` app by :mod:`tandem.apps.cli`; heavy imports happen inside the command.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def run_train_draft(
 ) -> dict[str, Any]:
     """Reads and tokenizes the data with the target's tokenizer, optionally has the target
     write sequences, and trains (:func:`tandem.train.draft.train_draft`)."""
-    from tandem.cli import load_tokenizer
+    from tandem.models.tokenizer import load_tokenizer
     from tandem.train.blocks import TokenData, token_data
     from tandem.train.corpus import (
         collect_python_sources,

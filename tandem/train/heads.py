@@ -1,6 +1,6 @@
 """EAGLE-3, EAGLE-1 and MTP heads trained on a frozen target's hidden states and logits.
 
-Each head starts as the random checkpoint :mod:`tandem.random_drafts` writes for the target
+Each head starts as the random checkpoint :mod:`tandem.testing.random_drafts` writes for the target
 (the format's tensor names, shapes and config come from there) and is loaded through
 :mod:`tandem.models.draft_loader`, so the trained module is the runtime's own; saving writes the
 trained values back under exactly the names of that file. Borrowed tensors (the target's
@@ -36,7 +36,11 @@ from tandem.models import load_model
 from tandem.models.draft import DraftModule
 from tandem.models.draft_loader import load_eagle, load_eagle3, load_mtp
 from tandem.models.eagle import resolve_aux_layer_ids
-from tandem.random_drafts import make_eagle3_checkpoint, make_eagle_checkpoint, make_mtp_checkpoint
+from tandem.testing.random_drafts import (
+    make_eagle3_checkpoint,
+    make_eagle_checkpoint,
+    make_mtp_checkpoint,
+)
 from tandem.train.features import TargetOutputs
 from tandem.train.labels import Labels, masked_mean, scored, step_terms
 from tandem.train.ttt import unroll

@@ -55,7 +55,7 @@ class EncodedFrame:
     """One `TensorFrame` encoded, not in a message: its header fields and ``data``, the
     chunk's bytes, so a frame waiting to be sent costs no message of its own. ``add_to``
     builds it into a repeated field (one copy of the data); ``pieces`` are its serialized
-    bytes, for a message joined from bytes (``tandem.draft_stream.Outgoing``: upb would copy
+    bytes, for a message joined from bytes (``tandem.link.messages.Outgoing``: upb would copy
     the data into the message and again in its encoder). ``size`` is the serialized size,
     known without serialising the data (upb's ``ByteSize`` encodes the whole message: a
     frame's 4 MiB again)."""

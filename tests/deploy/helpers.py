@@ -1,5 +1,5 @@
 """Helpers of the deployment tests: a health-only server on loopback, health checks through
-``tandem.security.open_channel`` and through the probe as a real process."""
+``tandem.serving.security.open_channel`` and through the probe as a real process."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem import serving
-from tandem.security import ClientTLS, ServerTLS, open_channel, server_credentials
+from tandem.serving import rpc
+from tandem.serving.security import ClientTLS, ServerTLS, open_channel, server_credentials
 
 TEST_SERVICE = "tandem.v1.TestService"
 
@@ -29,14 +29,14 @@ async def health_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     serving_now: bool = True,
     host: str = "127.0.0.1",
-) -> AsyncIterator[tuple[int, serving.Health]]:
-    """A real grpc.aio server from ``serving.make_server`` with health only."""
-    server = serving.make_server(interceptors=interceptors)
-    health = serving.add_health(server, [TEST_SERVICE])
+) -> AsyncIterator[tuple[int, rpc.Health]]:
+    """A real grpc.aio server from ``rpc.make_server`` with health only."""
+    server = rpc.make_server(interceptors=interceptors)
+    health = rpc.add_health(server, [TEST_SERVICE])
     if serving_now:
         await health.set_serving()
     credentials = None if tls is None else server_credentials(tls)
-    port = serving.bind(server, f"{host}:0", credentials)
+    port = rpc.bind(server, f"{host}:0", credentials)
     await server.start()
     try:
         yield port, health
@@ -59,11 +59,11 @@ async def check(
 
 
 async def probe(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """``python -m tandem.health_probe ARGS`` as a real process: (exit status, stdout)."""
+    """``python -m tandem.serving.health_probe ARGS`` as a real process: (exit status, stdout)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "tandem.health_probe",
+        "tandem.serving.health_probe",
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.__main__ import Gateway, load_tokenizer, start_gateway
+from gateway.__main__ import Gateway, start_gateway
 from gateway.config import GatewayConfig
-from tandem.random_model import write_tokenizer
-from tandem.security import (
+from tandem.models.tokenizer import load_tokenizer
+from tandem.serving.security import (
     BearerTokenAuth,
     ClientTLS,
     ServerTLS,
@@ -25,6 +25,7 @@ from tandem.security import (
     open_channel,
     token_metadata,
 )
+from tandem.testing.random_model import write_tokenizer
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.deploy.helpers import check, health_server, probe, run
 from tests.deploy.pki import PKI

@@ -37,14 +37,14 @@ _VARIABLE = re.compile(r"\$\{([A-Z0-9_]+)(:-([^}]*))?\}")
 def parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     from draft_service.__main__ import build_parser as draft
     from gateway.__main__ import build_parser as gateway
-    from tandem.health_probe import build_parser as probe
+    from tandem.serving.health_probe import build_parser as probe
     from target_service.__main__ import build_parser as target
 
     return {
         "draft_service": draft,
         "target_service": target,
         "gateway": gateway,
-        "tandem.health_probe": probe,
+        "tandem.serving.health_probe": probe,
     }
 
 
@@ -114,13 +114,13 @@ def test_every_command_is_accepted_by_its_service() -> None:
 
 
 def test_health_checks_run_the_probe_on_the_service_port() -> None:
-    assert importlib.util.find_spec("tandem.health_probe") is not None
+    assert importlib.util.find_spec("tandem.serving.health_probe") is not None
     for name in TANDEM:
         service = SERVICES[name]
         check = service["healthcheck"]
         assert check["test"][0] == "CMD", name  # exec form: no shell in the way
         module, args = check_command(check["test"][1:])
-        assert module == "tandem.health_probe"
+        assert module == "tandem.serving.health_probe"
         assert args.address == f"127.0.0.1:{flag(service['command'], '--port')}", name
         for key in ("interval", "timeout", "retries", "start_period"):
             assert key in check, f"{name}: healthcheck.{key}"
@@ -192,7 +192,7 @@ def parser_variables(module: str) -> set[str]:
     """The TANDEM_* variables ``module``'s parser reads: each variable we find in its source is
     set to a marker, and it counts when a flag's default then is that marker."""
     source = (ROOT / module.replace(".", "/") / "__main__.py").read_text()
-    source += (ROOT / "tandem/security.py").read_text()
+    source += (ROOT / "tandem/serving/security.py").read_text()
     candidates = set(re.findall(r"TANDEM_[A-Z_]+", source))
     found = set()
     with pytest.MonkeyPatch.context() as mp:
@@ -215,8 +215,8 @@ def serve_commands(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[s
     only ``Stack.start`` (which would spawn them) is replaced, by a recorder."""
     from typer.testing import CliRunner
 
-    from tandem import launch
-    from tandem.cli import app
+    from tandem.apps import launch
+    from tandem.apps.cli import app
 
     stacks: list[launch.Stack] = []
 

@@ -1,12 +1,12 @@
-"""``python -m tandem.health_probe`` as the compose health checks run it: a real process against
-a real server; exit 0 only for SERVING, 1 for everything else, one line of output."""
+"""``python -m tandem.serving.health_probe`` as the compose health checks run it: a real process
+against a real server; exit 0 only for SERVING, 1 for everything else, one line of output."""
 
 from __future__ import annotations
 
 import os
 import socket
 
-from tandem.security import ServerTLS
+from tandem.serving.security import ServerTLS
 from tests.deploy.helpers import TEST_SERVICE, health_server, probe, run
 from tests.deploy.pki import PKI
 

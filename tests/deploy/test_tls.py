@@ -1,6 +1,7 @@
-"""TLS and mutual TLS through ``tandem.security`` on real grpc.aio servers (``serving.make_server``
-+ ``serving.bind``) with certificates made in the test: the right credentials are served, wrong
-or missing ones refused; bad files are refused at startup with the path and the reason."""
+"""TLS and mutual TLS through ``tandem.serving.security`` on real grpc.aio servers
+(``rpc.make_server`` + ``rpc.bind``) with certificates made in the test: the right credentials are
+served, wrong or missing ones refused; bad files are refused at startup with the path and the
+reason."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tandem import security, serving
-from tandem.security import ClientTLS, ServerTLS
+from tandem.serving import rpc, security
+from tandem.serving.security import ClientTLS, ServerTLS
 from tests.deploy.helpers import check, health_server, run
 from tests.deploy.pki import CA, PKI
 
@@ -122,12 +123,12 @@ def test_encrypted_keys_and_half_client_pairs_are_refused(tmp_path: Path) -> Non
 def test_bind_names_an_address_it_cannot_listen_on(pki: PKI) -> None:
     async def body() -> None:
         async with health_server() as (port, _):
-            server = serving.make_server()
+            server = rpc.make_server()
             credentials = security.server_credentials(
                 ServerTLS(cert=pki.server.cert, key=pki.server.key)
             )
             with pytest.raises(OSError, match=f"127.0.0.1:{port}"):
-                serving.bind(server, f"127.0.0.1:{port}", credentials)
+                rpc.bind(server, f"127.0.0.1:{port}", credentials)
 
     run(body)
 

@@ -15,10 +15,10 @@ import grpc
 import pytest
 import torch
 
-from tandem.demo import free_port
-from tandem.launch import Stack, build_stack
-from tandem.random_drafts import make_eagle3_checkpoint
-from tandem.random_model import make_checkpoint
+from tandem.apps.demo import free_port
+from tandem.apps.launch import Stack, build_stack
+from tandem.testing.random_drafts import make_eagle3_checkpoint
+from tandem.testing.random_model import make_checkpoint
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.e2e.test_services import restart_draft
 

@@ -14,12 +14,12 @@ from typing import Any
 import grpc
 import pytest
 
+from tandem.apps.demo import free_port
+from tandem.apps.launch import Stack, build_stack
 from tandem.config import EngineConfig
-from tandem.demo import free_port
-from tandem.engine import Engine
-from tandem.launch import Stack, build_stack
-from tandem.random_model import make_checkpoint
 from tandem.sampling import SamplingParams
+from tandem.target.engine import Engine
+from tandem.testing.random_model import make_checkpoint
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 NEW_TOKENS = 24

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem import draft_stream
-from tandem.demo import free_port
-from tandem.draft_client import RemoteDrafter
-from tandem.launch import Service, Stack
-from tandem.random_drafts import make_eagle3_checkpoint
-from tandem.random_model import make_checkpoint
-from tandem.spec.build import DraftConfig, build_drafter
+from tandem.apps.demo import free_port
+from tandem.apps.launch import Service, Stack
+from tandem.draft.build import DraftConfig, build_drafter
+from tandem.link import messages
+from tandem.link.remote import RemoteDrafter
+from tandem.testing.random_drafts import make_eagle3_checkpoint
+from tandem.testing.random_model import make_checkpoint
 from tests.service.test_draft_service import LAYERS, VOCAB
 from tests.service.test_local_stream import check_outcomes_through_the_buffer
 
@@ -29,7 +29,7 @@ pytestmark = [
 def test_outcomes_through_the_drafts_cuda_buffer_give_the_same_trees(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(draft_stream, "SHARED_OUTCOME_BYTES", 1)
+    monkeypatch.setattr(messages, "SHARED_OUTCOME_BYTES", 1)
     target = make_checkpoint(
         tmp_path / "target", "llama", seed=5, vocab_size=VOCAB, num_hidden_layers=LAYERS
     )

@@ -17,9 +17,9 @@ from tandem.bench import idle, services
 from tandem.bench.inprocess import Workload, pages_needed
 from tandem.bench.probe import plan_probe
 from tandem.models.config import ModelConfig
-from tandem.random_drafts import make_eagle3_checkpoint
-from tandem.random_model import make_checkpoint
 from tandem.spec.types import SpecConfig
+from tandem.testing.random_drafts import make_eagle3_checkpoint
+from tandem.testing.random_model import make_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -16,13 +16,13 @@ from typing import Any
 import grpc
 import pytest
 
+from tandem.apps.demo import free_port
+from tandem.apps.launch import Service, Stack, build_stack, wait_serving
 from tandem.config import EngineConfig
-from tandem.demo import free_port
-from tandem.engine import Engine
-from tandem.launch import Service, Stack, build_stack, wait_serving
-from tandem.random_drafts import make_eagle3_checkpoint
-from tandem.random_model import make_checkpoint
 from tandem.sampling import SamplingParams
+from tandem.target.engine import Engine
+from tandem.testing.random_drafts import make_eagle3_checkpoint
+from tandem.testing.random_model import make_checkpoint
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 pytestmark = pytest.mark.slow

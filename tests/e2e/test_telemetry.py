@@ -17,10 +17,10 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.demo import free_port
-from tandem.launch import Stack, build_stack
-from tandem.random_drafts import make_eagle3_checkpoint
-from tandem.random_model import make_checkpoint
+from tandem.apps.demo import free_port
+from tandem.apps.launch import Stack, build_stack
+from tandem.testing.random_drafts import make_eagle3_checkpoint
+from tandem.testing.random_model import make_checkpoint
 from tests.e2e.test_services import generate
 
 

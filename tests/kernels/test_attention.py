@@ -479,8 +479,8 @@ def test_gpu_model_forward_and_greedy_match_torch_backend(
     arch: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     from tandem.config import EngineConfig
-    from tandem.engine import Engine
     from tandem.sampling import SamplingParams
+    from tandem.target.engine import Engine
     from tests.checkpoints import make_checkpoint
 
     path = make_checkpoint(tmp_path_factory.mktemp(arch), arch, seed=4)

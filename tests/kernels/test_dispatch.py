@@ -48,7 +48,7 @@ def test_every_kernel_has_its_reference_signature() -> None:
 def test_cpu_paths_never_import_triton() -> None:
     code = (
         "import sys, torch\n"
-        "import kernels, tandem.sampling, tandem.spec.verify, tandem.spec.drafter\n"
+        "import kernels, tandem.sampling, tandem.spec.verify, tandem.draft.drafter\n"
         "ops = kernels.ops('cpu')\n"
         "ops.top1(torch.randn(2, 9)); ops.topk(torch.randn(2, 9), 3)\n"
         "assert 'triton' not in sys.modules, 'triton was imported'\n"

@@ -35,7 +35,11 @@ from tandem.models import ForwardContext, decoder, load_model
 from tandem.models.draft import DraftModule
 from tandem.models.draft_loader import load_eagle, load_eagle3, load_mtp
 from tandem.models.eagle import Eagle3Module
-from tandem.random_drafts import make_eagle3_checkpoint, make_eagle_checkpoint, make_mtp_checkpoint
+from tandem.testing.random_drafts import (
+    make_eagle3_checkpoint,
+    make_eagle_checkpoint,
+    make_mtp_checkpoint,
+)
 from tests.checkpoints import ARCHS, make_checkpoint
 
 check_mode(_rms_norm_kernel)

@@ -20,12 +20,12 @@ from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: i
 # isort: split
 from kernels.attention import _tree_attention_kernel
 from tandem.config import EngineConfig
-from tandem.engine import Engine
-from tandem.graphs import Bucket, TargetGraphRunner, graph_widths
-from tandem.random_drafts import make_eagle3_checkpoint
-from tandem.random_model import make_checkpoint
-from tandem.spec.build import DraftConfig, build_drafter
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig, Tree
+from tandem.target.engine import Engine
+from tandem.target.graphs import Bucket, TargetGraphRunner, graph_widths
+from tandem.testing.random_drafts import make_eagle3_checkpoint
+from tandem.testing.random_model import make_checkpoint
 from tests.driving import Shadow, arrivals, drive
 
 check_mode(_tree_attention_kernel)
@@ -114,7 +114,7 @@ def test_static_buckets_match_eager_steps(
     assert shadow.missed == 0 and len(seen) >= 5, "every decode/verify step fits a bucket"
     assert any(s.batch_size < s.bucket.batch_size for s in seen), "no padded request"
     assert len({s.bucket.batch_size for s in seen}) >= 3, "batch sizes did not change"
-    # Plain decoding between arrivals decodes ahead (tandem/ahead.py), in its buckets too.
+    # Plain decoding between arrivals decodes ahead (tandem/target/ahead.py), in its buckets too.
     assert any(s.ahead for s in seen) == (SPECS[kind] is None)
     if SPECS[kind] is not None:
         n = engine.spec.tree_size  # type: ignore[union-attr]

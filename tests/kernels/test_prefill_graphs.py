@@ -1,7 +1,7 @@
-"""The prefill graphs without capture ("eager static"): a prompt chunk alone in its step runs
-on the static buffers and padding a CUDA-graph replay uses (``tandem.prefill_graphs``). Without
-CUDA the Triton kernels run in the interpreter on CPU tensors; on a CUDA host the same tests run
-them compiled.
+"""The prefill graphs without capture ("eager static"): a prompt chunk alone in its step runs on the
+static buffers and padding a CUDA-graph replay uses (``tandem.target.prefill_graphs``). Without CUDA
+the Triton kernels run in the interpreter on CPU tensors; on a CUDA host the same tests run them
+compiled.
 
 Every such chunk is rerun through the eager path on the same KV (``tests.driving.Shadow``): the
 last row's logits, every row's target features and the KV writes must agree, for whole prompts
@@ -21,13 +21,13 @@ from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: i
 # isort: split
 from kernels.attention import _tree_attention_kernel
 from tandem.config import EngineConfig
-from tandem.engine import Engine
-from tandem.graphs import graph_widths
-from tandem.prefill_graphs import PrefillGraphRunner
-from tandem.random_drafts import make_eagle3_checkpoint
-from tandem.random_model import make_checkpoint
-from tandem.spec.build import DraftConfig, build_drafter
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig
+from tandem.target.engine import Engine
+from tandem.target.graphs import graph_widths
+from tandem.target.prefill_graphs import PrefillGraphRunner
+from tandem.testing.random_drafts import make_eagle3_checkpoint
+from tandem.testing.random_model import make_checkpoint
 from tests.driving import Arrival, Shadow, drive
 
 check_mode(_tree_attention_kernel)

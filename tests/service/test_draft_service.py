@@ -22,17 +22,18 @@ from grpc_status import rpc_status
 from draft_service.__main__ import parse_config
 from draft_service.config import DraftServiceConfig
 from draft_service.server import DraftServer, start
-from tandem import serving, transfer, wire
+from tandem import transfer, wire
 from tandem.config import EngineConfig
-from tandem.draft_client import DraftState, RemoteDrafter
-from tandem.engine import Engine
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.errors import CheckpointError, InvalidRequest, KVExhausted, NotFound
-from tandem.random_drafts import make_eagle3_checkpoint
-from tandem.random_model import make_checkpoint
+from tandem.link.remote import DraftState, RemoteDrafter
 from tandem.sampling import SamplingParams
+from tandem.serving import rpc
 from tandem.spec.base import Drafter
-from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
+from tandem.target.engine import Engine
+from tandem.testing.random_drafts import make_eagle3_checkpoint
+from tandem.testing.random_model import make_checkpoint
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 T = TypeVar("T")
@@ -100,7 +101,7 @@ def _socket(tmp: Path, transport: str) -> str | None:
 
 
 # The RemoteDrafter tests run over both streams: gRPC, and the local socket the client takes
-# when the draft reports one (tandem.local_stream).
+# when the draft reports one (tandem.link.local).
 TRANSPORTS = ["grpc", "local"]
 
 
@@ -460,16 +461,16 @@ def test_unexpected_errors_are_internal(
 
 
 def test_status_mapping() -> None:
-    status = serving.status_for(InvalidRequest("sampling.top_p", "must be in (0, 1]"))
+    status = rpc.status_for(InvalidRequest("sampling.top_p", "must be in (0, 1]"))
     bad = error_details_pb2.BadRequest()
     assert status.code == code_pb2.INVALID_ARGUMENT and status.details[0].Unpack(bad)
     assert bad.field_violations[0].field == "sampling.top_p"
-    assert serving.status_for(NotFound("req-1")).code == code_pb2.NOT_FOUND
-    exhausted = serving.status_for(KVExhausted("need 4 pages"))
+    assert rpc.status_for(NotFound("req-1")).code == code_pb2.NOT_FOUND
+    exhausted = rpc.status_for(KVExhausted("need 4 pages"))
     assert exhausted.code == code_pb2.RESOURCE_EXHAUSTED
     assert exhausted.details[0].Is(error_details_pb2.RetryInfo.DESCRIPTOR)
-    assert serving.status_for(CheckpointError("no config")).code == code_pb2.INTERNAL
-    assert serving.status_for(KeyError("x")).message == "internal error: KeyError: 'x'"
+    assert rpc.status_for(CheckpointError("no config")).code == code_pb2.INTERNAL
+    assert rpc.status_for(KeyError("x")).message == "internal error: KeyError: 'x'"
 
 
 def test_env_defaults_and_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -488,7 +489,7 @@ def test_env_defaults_and_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     with pytest.raises(SystemExit):
         parse_config(["--draft-kind", "eagle3"])  # eagle3 needs --draft
     with pytest.raises(ValueError, match="TANDEM_"):
-        serving.env_default("DRAFT_PORT", 0)
+        rpc.env_default("DRAFT_PORT", 0)
     assert parse_config([]).draft.cuda_graphs is None  # on for CUDA devices, off on CPU
     assert not parse_config([]).draft.use_cuda_graphs
     assert parse_config(
@@ -504,7 +505,7 @@ def test_env_defaults_and_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert parse_config(["--transposed-weights"]).draft.use_transposed_weights  # CPU, asked
     monkeypatch.setenv("TANDEM_DRAFT_TRANSPOSED_WEIGHTS", "off")
     assert not parse_config(["--device", "cuda"]).draft.use_transposed_weights
-    assert serving.parse_address("[::1]:50051") == ("::1", 50051)
-    assert serving.format_address("::1", 50051) == "[::1]:50051"
+    assert rpc.parse_address("[::1]:50051") == ("::1", 50051)
+    assert rpc.format_address("::1", 50051) == "[::1]:50051"
     with pytest.raises(ValueError, match="HOST:PORT"):
-        serving.parse_address("localhost")
+        rpc.parse_address("localhost")

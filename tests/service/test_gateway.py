@@ -19,9 +19,10 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.__main__ import SERVICE_NAME, Gateway, load_tokenizer, start_gateway
+from gateway.__main__ import SERVICE_NAME, Gateway, start_gateway
 from gateway.config import GatewayConfig
-from tandem.random_model import write_tokenizer
+from tandem.models.tokenizer import load_tokenizer
+from tandem.testing.random_model import write_tokenizer
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 VOCAB = 300  # covers both test tokenizers (word-level: 64 words; byte-level: 258 tokens)
@@ -604,11 +605,11 @@ def test_model_and_server_info(words: Path) -> None:
 
 
 def test_against_the_real_target_service(tmp_path: Path) -> None:
-    from tandem import serving
     from tandem.config import EngineConfig
-    from tandem.engine import Engine
-    from tandem.random_model import make_checkpoint
     from tandem.sampling import SamplingParams
+    from tandem.serving import rpc
+    from tandem.target.engine import Engine
+    from tandem.testing.random_model import make_checkpoint
     from target_service.__main__ import get_info, status
     from target_service.config import TargetServiceConfig
     from target_service.engine import TargetLoop
@@ -625,7 +626,7 @@ def test_against_the_real_target_service(tmp_path: Path) -> None:
     async def body() -> None:
         engine = Engine(config.engine)
         loop = TargetLoop(engine, status=lambda: status(engine, None), status_interval_s=0.05)
-        server = serving.make_server()
+        server = rpc.make_server()
         servicer = TargetServicer(loop, get_info(engine, config))
         target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")

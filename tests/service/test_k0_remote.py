@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine
 from tandem.sampling import SamplingParams
-from tandem.spec.policy import SpecPolicy
+from tandem.target.engine import Engine
+from tandem.target.policy import SpecPolicy
 from tests.service.test_draft_service import (  # noqa: F401 (fixtures)
     SPEC,
     Ckpts,
@@ -65,7 +65,7 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
     two_lanes: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tandem.spec import hold
+    from tandem.target import hold
 
     monkeypatch.setattr(hold, "HELD_BYTES", 64 << 10)  # part flushed during the stretch
     monkeypatch.setattr(hold, "HELD_MAX_BYTES", 64 << 10)
@@ -101,7 +101,7 @@ def test_k0_holds_features_for_a_draft_service_as_in_process(
     CUDA), under the same cap as in process (on CPU the floor HELD_BYTES): a stretch under it
     sends the draft nothing, so no flush makes the draft extend mid-stretch; the output is
     target-only's."""
-    from tandem.spec import hold
+    from tandem.target import hold
 
     prompts, params, config, reference = workload(ckpts, Feed(3), (6, 11, 4), 40)
     remote = _remote(server, deadline_s=10.0)
@@ -153,7 +153,7 @@ def test_new_prompts_decode_plainly_while_the_draft_takes_them_in(
         def record(self, *args: int, ingesting: bool = False, **kwargs: bool) -> None:
             self.ingesting.append(ingesting)
 
-    from tandem.spec import exchange
+    from tandem.target import exchange
 
     monkeypatch.setattr(exchange, "INGEST_BYTES", 1)
     prompts, params, config, reference = workload(ckpts, Feed(4), (5, 13, 8), 32)

@@ -1,4 +1,4 @@
-"""The local stream (``tandem.local_stream``, ``draft_service.local``) on its own: framing,
+"""The local stream (``tandem.link.local``, ``draft_service.local``) on its own: framing,
 the socket's life (private mode, stale and live sockets), what the draft does with a bad
 connection, and when a client takes it. Steps through it run in test_draft_service.py, where
 every RemoteDrafter test runs over both streams."""
@@ -17,12 +17,13 @@ import torch
 
 from draft_service.__main__ import parse_config
 from draft_service.config import DraftServiceConfig
-from tandem import draft_stream, wire
-from tandem.draft_client import RemoteDrafter
-from tandem.draft_stream import StreamState
+from tandem import wire
 from tandem.errors import InvalidRequest
-from tandem.local_stream import HEADER, FrameBuffer, LocalLink, check_path, encode
-from tandem.prompt_ring import PromptRing
+from tandem.link import messages
+from tandem.link.local import HEADER, FrameBuffer, LocalLink, check_path, encode
+from tandem.link.messages import StreamState
+from tandem.link.prompt_ring import PromptRing
+from tandem.link.remote import RemoteDrafter
 from tandem.spec.base import Drafter
 from tandem.spec.types import VerifyOutcome
 from tandem.v1 import draft_pb2
@@ -274,7 +275,7 @@ def test_a_steps_outcome_features_share_one_region_or_go_inline() -> None:
 
     small = sent(2)  # below SHARED_OUTCOME_BYTES: inline
     assert all(f.WhichOneof("payload") == "data" for o in small for f in o.hidden_states)
-    draft_stream.SHARED_OUTCOME_BYTES, saved = 1, draft_stream.SHARED_OUTCOME_BYTES
+    messages.SHARED_OUTCOME_BYTES, saved = 1, messages.SHARED_OUTCOME_BYTES
     try:
         shared = sent(3)  # one region, a frame each
         assert all(len(o.hidden_states) == 1 for o in shared)
@@ -284,7 +285,7 @@ def test_a_steps_outcome_features_share_one_region_or_go_inline() -> None:
         state.stage = PromptRing(torch.zeros(8, dtype=torch.uint8)).stage  # no room
         assert all(f.WhichOneof("payload") == "data" for o in sent(4) for f in o.hidden_states)
     finally:
-        draft_stream.SHARED_OUTCOME_BYTES = saved
+        messages.SHARED_OUTCOME_BYTES = saved
 
 
 def test_outcomes_through_the_drafts_buffer_give_the_same_trees(
@@ -295,7 +296,7 @@ def test_outcomes_through_the_drafts_buffer_give_the_same_trees(
     """Every step's outcome features (and a long run, as K=0 holds) written into the draft's
     shared buffer (shared memory here; CUDA IPC in tests/e2e/test_outcome_buffer_gpu.py): the
     draft reads them there and drafts what the in-process drafter does."""
-    monkeypatch.setattr(draft_stream, "SHARED_OUTCOME_BYTES", 1)
+    monkeypatch.setattr(messages, "SHARED_OUTCOME_BYTES", 1)
     served = _serve(ckpts, local_socket=str(tmp_path / "d.sock"), prompt_buffer_mb=1)
     remote = RemoteDrafter(served.address, num_target_layers=LAYERS, device="cpu")
     try:

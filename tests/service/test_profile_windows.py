@@ -1,4 +1,4 @@
-"""The services' loops and their step-window profiles (``tandem.profiling``, armed as
+"""The services' loops and their step-window profiles (``tandem.serving.profiling``, armed as
 ``tandem bench --profile-idle`` arms them): the target's loop writes a window its round did not
 close once the round ends, and one still open when it stops; the draft's engine, sent nothing
 (its target decoding with K=0), still notices the arm and writes a window once the target's is
@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 
 from draft_service.engine import DraftEngine
-from tandem import profiling
 from tandem.config import EngineConfig
-from tandem.engine import Engine
-from tandem.random_drafts import make_eagle3_checkpoint
-from tandem.random_model import make_checkpoint
+from tandem.draft.build import DraftConfig
 from tandem.sampling import SamplingParams
-from tandem.spec.build import DraftConfig
+from tandem.serving import profiling
+from tandem.target.engine import Engine
+from tandem.testing.random_drafts import make_eagle3_checkpoint
+from tandem.testing.random_model import make_checkpoint
 from tandem.v1 import common_pb2, target_pb2
 from target_service.__main__ import status
 from target_service.engine import Admit, TargetLoop

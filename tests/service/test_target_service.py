@@ -15,11 +15,12 @@ from typing import Any
 import grpc
 import pytest
 
-from tandem import serving, wire
+from tandem import wire
 from tandem.config import EngineConfig
-from tandem.engine import Engine
-from tandem.random_model import make_checkpoint
 from tandem.sampling import SamplingParams
+from tandem.serving import rpc
+from tandem.target.engine import Engine
+from tandem.testing.random_model import make_checkpoint
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.__main__ import get_info, status
 from target_service.config import TargetServiceConfig
@@ -43,7 +44,7 @@ async def start(target_dir: Path) -> Running:
     config = TargetServiceConfig(engine=EngineConfig(model=target_dir, num_pages=256))
     engine = Engine(config.engine)
     loop = TargetLoop(engine, status=lambda: status(engine, None), status_interval_s=0.05)
-    server = serving.make_server(max_message_bytes=config.max_message_bytes)
+    server = rpc.make_server(max_message_bytes=config.max_message_bytes)
     target_pb2_grpc.add_TargetServiceServicer_to_server(
         TargetServicer(loop, get_info(engine, config)), server
     )

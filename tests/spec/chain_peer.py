@@ -1,5 +1,5 @@
 """The draft process of ``test_chain_processes.py``: a ``DraftChain`` over an EAGLE-3 drafter,
-handing off with the test's target process through ``tandem/ipc.py`` buffers.
+handing off with the test's target process through ``tandem/link/ipc.py`` buffers.
 
     python -m tests.spec.chain_peer SOCKET TARGET_DIR DRAFT_DIR NUM_STEPS
 
@@ -23,11 +23,12 @@ from tests.kernels._interpret import DEVICE  # sets Triton's mode: import first
 # isort: split
 import torch
 
-from tandem import ipc
-from tandem.graph_buffers import Bucket
-from tandem.spec.build import DraftConfig, build_drafter
-from tandem.spec.chain_draft import Chains, DraftChain
-from tandem.spec.drafter import ModelDrafter
+from tandem.draft.build import DraftConfig, build_drafter
+from tandem.draft.chain_draft import DraftChain
+from tandem.draft.drafter import ModelDrafter
+from tandem.graphs.base import Bucket
+from tandem.link import ipc
+from tandem.spec.chain_buffers import Chains
 from tandem.spec.types import DraftAdmit, SpecConfig
 
 MAX_MODEL_LEN = 128

@@ -10,12 +10,16 @@ from pathlib import Path
 import pytest
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine, GenerationResult
-from tandem.random_drafts import make_eagle3_checkpoint, make_eagle_checkpoint, make_mtp_checkpoint
-from tandem.random_model import make_checkpoint
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.sampling import SamplingParams
-from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig
+from tandem.target.engine import Engine, GenerationResult
+from tandem.testing.random_drafts import (
+    make_eagle3_checkpoint,
+    make_eagle_checkpoint,
+    make_mtp_checkpoint,
+)
+from tandem.testing.random_model import make_checkpoint
 from tests.checkpoints import hf_greedy
 
 # An odd vocabulary smaller than the foundation tests' keeps the 200-run parity matrix fast;

@@ -1,6 +1,6 @@
 """The device-chain halves in two processes (docs/device-cycle.md, stage 3): the target half
 here, the draft half in a child process (``chain_peer.py``), their ``Outcome`` and ``Chains``
-buffers shared through ``tandem/ipc.py`` (CPU shared memory here, the stand-in for CUDA IPC).
+buffers shared through ``tandem/link/ipc.py`` (CPU shared memory here, the stand-in for CUDA IPC).
 
 Greedy output equals target-only output, and every step accepts exactly what the same halves
 accept in one process with the same draft state. With simulated acceptance the committed
@@ -23,17 +23,18 @@ import torch
 from tests.kernels._interpret import DEVICE, INTERPRETED  # sets Triton's mode: import first
 
 # isort: split
-from tandem import ipc
 from tandem.config import EngineConfig
-from tandem.engine import Engine
-from tandem.graph_buffers import Bucket
+from tandem.draft.chain_draft import DraftChain
+from tandem.draft.drafter import ModelDrafter
+from tandem.graphs.base import Bucket
+from tandem.link import ipc
 from tandem.request import Request
 from tandem.sampling import SamplingParams
-from tandem.spec.chain_draft import DraftChain, Outcome
-from tandem.spec.chain_target import TargetChain
-from tandem.spec.drafter import ModelDrafter
+from tandem.spec.chain_buffers import Outcome
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree
+from tandem.target.chain_verify import TargetChain
+from tandem.target.engine import Engine
 from tests.spec.chain_peer import MAX_MODEL_LEN, NOTICE
 from tests.spec.conftest import Checkpoints
 from tests.spec.test_draft_graphs import make_drafter

@@ -1,4 +1,4 @@
-"""Device-chain runs through a draft service (``tandem/spec/chain_remote.py`` at the target,
+"""Device-chain runs through a draft service (``tandem/link/chain_remote.py`` at the target,
 ``draft_service/chain.py`` at the draft): a real draft server on its own event loop and
 worker thread, its local socket, the messages of docs/device-cycle.md, and the ``Outcome`` and
 ``Chains`` buffers and the prompt buffer in shared memory (the CPU stand-in for CUDA IPC;
@@ -21,15 +21,15 @@ from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: i
 # isort: split
 from draft_service.config import DraftServiceConfig
 from kernels.attention import _tree_attention_kernel
-from tandem import ipc
 from tandem.config import EngineConfig
-from tandem.draft_client import RemoteDrafter
-from tandem.engine import Engine
-from tandem.graph_buffers import Bucket
+from tandem.draft.build import DraftConfig
+from tandem.graphs.base import Bucket
+from tandem.link import ipc
+from tandem.link.chain_remote import RemoteChain
+from tandem.link.remote import RemoteDrafter
 from tandem.sampling import SamplingParams
-from tandem.spec.build import DraftConfig
-from tandem.spec.chain_remote import RemoteChain
 from tandem.spec.types import SpecConfig
+from tandem.target.engine import Engine
 from tandem.v1 import draft_pb2
 from tests.driving import drive
 from tests.service.test_draft_service import ServerThread

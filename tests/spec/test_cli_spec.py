@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tandem.random_drafts import make_eagle3_checkpoint
-from tandem.random_model import make_checkpoint
+from tandem.testing.random_drafts import make_eagle3_checkpoint
+from tandem.testing.random_model import make_checkpoint
 from tests.unit.test_cli import run_cli
 
 PROMPTS = ["w10 w20 w30 w10 w20", "w4000 w17"]

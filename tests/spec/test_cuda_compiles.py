@@ -15,9 +15,9 @@ import random
 import pytest
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine
-from tandem.spec.build import DraftConfig, build_drafter
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig
+from tandem.target.engine import Engine
 from target_service.__main__ import warm_up
 from tests.driving import Arrival, drive
 from tests.spec.conftest import LAYERS, VOCAB, Checkpoints

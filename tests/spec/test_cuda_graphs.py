@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine
-from tandem.graphs import Bucket, TargetGraphRunner
-from tandem.spec.build import DraftConfig, build_drafter
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig, Tree
+from tandem.target.engine import Engine
+from tandem.target.graphs import Bucket, TargetGraphRunner
 from tests.driving import Shadow, arrivals, drive
 from tests.spec.conftest import LAYERS, VOCAB, Checkpoints
 
@@ -98,7 +98,7 @@ def test_graph_steps_equal_eager_steps(
     assert sum(graphs.replays.values()) == len(shadow.seen) > steps // 2
     assert len({b.batch_size for b in graphs.replays}) >= 4, graphs.replays
     assert any(s.batch_size < s.bucket.batch_size for s in shadow.seen)
-    # Plain decoding decodes ahead (tandem/ahead.py): replays fed by the last step's choices.
+    # Plain decoding decodes ahead (tandem/target/ahead.py): replays fed by the last step's choices.
     assert any(s.ahead for s in shadow.seen) == (SPECS[name] is None)
     if SPECS[name] is not None:
         eager = cuda_engine(ckpts, name, page_size, graphs=False)
@@ -124,7 +124,7 @@ def test_decoding_ahead_equals_synchronous_steps(
 def test_capture_reports_and_follows_new_layers(
     ckpts: Checkpoints, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="tandem.graphs"):
+    with caplog.at_level(logging.INFO, logger="tandem.target.graphs"):
         engine = cuda_engine(ckpts, "plain", 16, graphs=True)
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.layers == () and graphs.num_captures == 1
@@ -158,12 +158,12 @@ def test_cuda_graphs_flag_reaches_the_engine(ckpts: Checkpoints) -> None:
 def test_lone_prompts_replay_prefill_graphs(
     ckpts: Checkpoints, name: str, invariant: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Prompts that arrive alone replay the prefill graphs (``tandem.prefill_graphs``): each
+    """Prompts that arrive alone replay the prefill graphs (``tandem.target.prefill_graphs``): each
     chunk matches its eager step on the same KV (last row's logits, features, KV writes), bit
     for bit with batch-invariant kernels, and greedy outputs equal eager decoding."""
     plan = arrivals(6, VOCAB, every=100, new_tokens=(8, 40), seed=3)  # each alone in its step
     eager, _ = drive(cuda_engine(ckpts, name, 16, graphs=False, batch_invariant=invariant), plan)
-    with caplog.at_level(logging.INFO, logger="tandem.prefill_graphs"):
+    with caplog.at_level(logging.INFO, logger="tandem.target.prefill_graphs"):
         engine = cuda_engine(ckpts, name, 16, graphs=True, batch_invariant=invariant)
     runner = engine.runner.prefill_graphs
     assert runner is not None and runner.captured and runner.widths == [16, 32, 64, 128, 256, 512]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.apps.embedded import family_dir
 from tandem.config import EngineConfig
-from tandem.embedded import family_dir
-from tandem.engine import Engine
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.models.config import ModelConfig
-from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig
+from tandem.target.engine import Engine
 from tandem.train.prompts import read_prompts
 from tests.spec.conftest import KINDS, LAYERS, Checkpoints, greedy, ragged_prompts
 

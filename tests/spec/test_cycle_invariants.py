@@ -11,9 +11,9 @@ import torch
 
 import tandem.spec.verify as verify_module
 from kernels import reference
-from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 from tandem.spec.types import SpecConfig, Tree
+from tandem.target.engine import Engine
 from tests.spec.conftest import Checkpoints, greedy, ragged_prompts
 
 Calls = list[tuple[list[int], list[int]]]

@@ -1,4 +1,4 @@
-"""Device-chain steps (``tandem/spec/device_chain.py``): speculative chain steps launched
+"""Device-chain steps (``tandem/target/device_chain.py``): speculative chain steps launched
 before the last verdict is read, with every per-step input written on the device.
 
 On CPU the target and draft buckets run eagerly on their static buffers (Triton interpreted);
@@ -16,11 +16,11 @@ from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: i
 # isort: split
 from kernels.attention import _tree_attention_kernel
 from tandem.config import EngineConfig
-from tandem.engine import Engine
-from tandem.graphs import graph_widths
 from tandem.sampling import SamplingParams
-from tandem.spec.device_chain import ChainRead
 from tandem.spec.types import SpecConfig
+from tandem.target.device_chain import ChainRead
+from tandem.target.engine import Engine
+from tandem.target.graphs import graph_widths
 from tests.driving import Arrival, arrivals, drive
 from tests.spec.conftest import VOCAB, Checkpoints
 from tests.spec.test_draft_graphs import make_drafter

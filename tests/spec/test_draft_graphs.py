@@ -1,4 +1,4 @@
-"""The draft's graph runner (``tandem/spec/draft_graphs.py``) against the host path.
+"""The draft's graph runner (``tandem/draft/graphs.py``) against the host path.
 
 A twin drafter runs every step through two ``ModelDrafter`` s with the same weights, one with
 draft graphs (eager static here: the same buffers, padding and buckets, not captured; Triton
@@ -23,13 +23,13 @@ from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: i
 # isort: split
 from kernels.attention import _tree_attention_kernel
 from tandem.config import EngineConfig
-from tandem.engine import Engine
-from tandem.graph_buffers import Bucket
+from tandem.draft.build import DraftConfig, build_drafter
+from tandem.draft.drafter import ModelDrafter
+from tandem.graphs.base import Bucket
 from tandem.models.config import ModelConfig
 from tandem.spec.base import Drafter
-from tandem.spec.build import DraftConfig, build_drafter
-from tandem.spec.drafter import ModelDrafter
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
+from tandem.target.engine import Engine
 from tests.driving import Arrival, arrivals, drive
 from tests.spec.conftest import KINDS, LAYERS, VOCAB, Checkpoints
 
@@ -352,7 +352,7 @@ def test_engine_with_target_graphs_captures_draft_graphs(
         pytest.skip("needs CUDA without TRITON_INTERPRET")
     drafter = make_drafter(ckpts, "eagle3", "cuda", page_size=16, num_pages=256)
     config = EngineConfig(model=ckpts.target, device="cuda", num_pages=256, max_num_seqs=8)
-    with caplog.at_level(logging.INFO, logger="tandem.spec.draft_graphs"):
+    with caplog.at_level(logging.INFO, logger="tandem.draft.graphs"):
         engine = Engine(config, drafter=drafter, spec=SpecConfig(num_steps=4, topk=1))
     runner = drafter.graphs
     assert runner is not None and runner.captured and runner.steps == [4]

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from tandem.engine import MAX_LANES
 from tandem.errors import InvalidRequest
 from tandem.spec.types import SpecConfig
+from tandem.target.engine import MAX_LANES
 from tests.spec.conftest import Checkpoints, greedy, ragged_prompts
 
 SHAPES = {

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine import RESUME_MIN_TOKENS, Engine
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
-from tandem.spec.build import DraftConfig, build_drafter
-from tandem.spec.policy import PolicyConfig, SpecPolicy
 from tandem.spec.types import SpecConfig
+from tandem.target.engine import RESUME_MIN_TOKENS, Engine
+from tandem.target.policy import PolicyConfig, SpecPolicy
 from tandem.train.prompts import read_prompts
 from tests.spec.conftest import VOCAB, Checkpoints, greedy, ragged_prompts
 
@@ -66,7 +66,7 @@ def test_switching_modes_at_any_step_equals_target_only(
 ) -> None:
     """K=0 stretches short and long (past SMALL_HOLD, so held outcomes are flushed while
     K=0 lasts) interleaved with speculation: output equals target-only, nothing leaks."""
-    from tandem.spec import hold
+    from tandem.target import hold
 
     monkeypatch.setattr(hold, "HELD_BYTES", SMALL_HOLD)
     engine = ckpts.engine(kind, SpecConfig(num_steps=3, topk=1), page_size=4)
@@ -97,7 +97,7 @@ def test_speculation_after_a_long_k0_stretch_accepts_as_before(
     paused, which it cannot do unless its KV and features caught up exactly."""
     from transformers import AutoTokenizer
 
-    from tandem.spec import hold
+    from tandem.target import hold
 
     monkeypatch.setattr(hold, "HELD_BYTES", SMALL_HOLD)
 
@@ -180,7 +180,7 @@ def test_held_runs_resume_a_few_per_step(
 ) -> None:
     """With a byte budget that lets one held run out per step, a whole batch resuming after
     K=0 catches up over several steps (those still holding decode without a tree)."""
-    from tandem.spec import exchange
+    from tandem.target import exchange
 
     monkeypatch.setattr(exchange, "HELD_BYTES_PER_STEP", 1)
     engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
@@ -207,7 +207,7 @@ def test_admits_wait_only_for_a_wire(
     """Speculating, an in-process draft gets every admit when its prompt completes; to a draft
     service (``Drafter.remote``) admits go out within the per-step byte budget (here one per
     step), so some wait a step."""
-    from tandem.spec import exchange
+    from tandem.target import exchange
 
     monkeypatch.setattr(exchange, "HELD_BYTES_PER_STEP", 1)
     engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
@@ -235,7 +235,7 @@ def test_no_stale_tree_after_k0_commits(
     K=0 step commits (decoding ahead, the commit of the step in flight comes after its K=0
     launch made older answers stale): every tree the draft sends answers the tokens it saw,
     none is rejected, and the output is target-only's."""
-    from tandem.spec import exchange
+    from tandem.target import exchange
 
     monkeypatch.setattr(exchange, "HELD_BYTES_PER_STEP", 1)
     rng = random.Random(1)
@@ -248,7 +248,7 @@ def test_no_stale_tree_after_k0_commits(
     assert engine.drafter is not None
     engine.drafter.remote = True  # paced as for a draft service (in process: all at once)
     engine.policy = Scripted([False] * 9 + [True] * 9)
-    with caplog.at_level(logging.WARNING, logger="tandem.spec.exchange"):
+    with caplog.at_level(logging.WARNING, logger="tandem.target.exchange"):
         assert [r.token_ids for r in engine.generate(prompts, params)] == expected
     assert "rejected" not in caplog.text
     _assert_clean(engine)
@@ -261,7 +261,7 @@ def test_held_features_stay_under_the_cap(
     """Every step K=0: admits (prompt features) and held runs go out only while all held
     features pass HELD_BYTES (runs longest first, down to half); under a large cap nothing
     reaches the draft at all (a request that finishes during K=0 was never admitted there)."""
-    from tandem.spec import hold
+    from tandem.target import hold
 
     monkeypatch.setattr(hold, "HELD_BYTES", cap)
     engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
@@ -458,7 +458,7 @@ def test_the_target_services_warm_up_leaves_the_policy_unmeasured(ckpts: Checkpo
 
 def test_in_process_hold_cap_off_cuda_is_the_floor() -> None:
     """Off CUDA (pools in host memory) K=0 holds up to HELD_BYTES in process."""
-    from tandem.spec import hold
+    from tandem.target import hold
 
     assert hold.device_cap(None) == hold.HELD_BYTES
     assert hold.device_cap(torch.device("cpu")) == hold.HELD_BYTES
@@ -468,7 +468,7 @@ def test_in_process_hold_cap_off_cuda_is_the_floor() -> None:
 def test_in_process_hold_cap_follows_free_device_memory() -> None:
     """On CUDA, in process, K=0 holds up to an eighth of the device memory free when it first
     holds, between HELD_BYTES and HELD_MAX_BYTES."""
-    from tandem.spec import hold
+    from tandem.target import hold
 
     cap = hold.device_cap(torch.device("cuda"))
     free, _ = torch.cuda.mem_get_info()

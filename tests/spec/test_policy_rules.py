@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from tandem.spec.policy import Mode, PolicyConfig, SpecPolicy, _Bucket
+from tandem.target.policy import Mode, PolicyConfig, SpecPolicy, _Bucket
 
 
 def _decide(

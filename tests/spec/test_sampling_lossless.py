@@ -15,11 +15,11 @@ import torch
 
 import tandem.spec.verify as verify_module
 from tandem.config import EngineConfig
-from tandem.engine import Engine
-from tandem.random_model import make_checkpoint
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.sampling import SamplingBatch, SamplingParams, process_logits
-from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig
+from tandem.target.engine import Engine
+from tandem.testing.random_model import make_checkpoint
 
 VOCAB = 32
 PROMPT = [5, 9, 17, 3]

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine
 from tandem.request import Request
 from tandem.sampling import SamplingParams
 from tandem.spec.simulate import AcceptSimulator, expected_accepted, parse_accept_length
 from tandem.spec.types import SpecConfig, Tree
 from tandem.spec.verify import verify
+from tandem.target.engine import Engine
 from tests.spec.conftest import Checkpoints, greedy, ragged_prompts
 
 VOCAB = 97

@@ -14,10 +14,10 @@ import pytest
 from safetensors import safe_open
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.sampling import SamplingParams
-from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig
+from tandem.target.engine import Engine
 from tandem.train.corpus import path_fraction
 from tandem.train.prompts import read_prompts
 from tests.checkpoints import hf_greedy

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
-from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig
+from tandem.target.engine import Engine
 from tandem.train.prompts import read_prompts
 from tests.checkpoints import hf_greedy
 

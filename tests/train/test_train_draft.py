@@ -15,15 +15,15 @@ import torch
 
 from tandem.attention import AttentionMetadata, TorchAttention
 from tandem.config import EngineConfig
-from tandem.engine import Engine
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.kv import KVCache, KVCacheSpec
 from tandem.models import ForwardContext
 from tandem.models.draft import DraftModule
 from tandem.models.draft_loader import load_eagle3, load_mtp
-from tandem.random_drafts import make_eagle3_checkpoint, make_mtp_checkpoint
 from tandem.sampling import SamplingParams
-from tandem.spec.build import DraftConfig, build_drafter
 from tandem.spec.types import SpecConfig
+from tandem.target.engine import Engine
+from tandem.testing.random_drafts import make_eagle3_checkpoint, make_mtp_checkpoint
 from tandem.train.blocks import TokenData
 from tandem.train.draft import DraftSettings, train_draft
 from tandem.train.features import FrozenTarget, generate_sequences
@@ -156,7 +156,7 @@ def test_train_draft_command(target: Path, reference: list[list[int]], tmp_path:
     assert speculate(target, out, "mtp", 1, 3, 4) == reference
     from typer.testing import CliRunner
 
-    from tandem.cli import app
+    from tandem.apps.cli import app
 
     bad = CliRunner().invoke(app, ["train-draft", *args[:2], "--kind", "medusa", "--out", "x"])
     assert bad.exit_code == 2 and "medusa" in bad.output

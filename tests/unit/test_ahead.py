@@ -1,4 +1,4 @@
-"""Decoding ahead (tandem/ahead.py): the target-only engine launches each plain decode step
+"""Decoding ahead (tandem/target/ahead.py): the target-only engine launches each plain decode step
 before reading the last one. Outputs equal the synchronous engine and transformers whatever
 happens while a step is in flight: a stop token (the request's next row is computed and
 dropped), a length limit (known at launch), an abort, a new arrival, a sampled request, a full
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine
 from tandem.request import FinishReason
 from tandem.sampling import SamplingParams
+from tandem.target.engine import Engine
 from tests.checkpoints import hf_greedy, make_checkpoint
 
 VOCAB = 256

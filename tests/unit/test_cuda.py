@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine
 from tandem.sampling import SamplingParams
+from tandem.target.engine import Engine
 from tests.checkpoints import ARCHS, hf_greedy, make_checkpoint
 from tests.unit.test_engine import ragged_prompts
 
@@ -33,7 +33,7 @@ def hf_on(path: Path, dtype: torch.dtype) -> Any:
 def prefill_logits(eng: Engine, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Full-prompt logits from one ragged prefill through the engine's runner."""
     from tandem.request import Request
-    from tandem.scheduler import ScheduledBatch
+    from tandem.target.scheduler import ScheduledBatch
 
     batch = ScheduledBatch()
     for i, p in enumerate(prompts):

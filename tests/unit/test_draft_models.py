@@ -23,11 +23,15 @@ from tandem.models import ForwardContext, ModelConfig, load_model
 from tandem.models.draft import DraftModule
 from tandem.models.draft_loader import load_eagle, load_eagle3, load_mtp, load_standalone
 from tandem.models.eagle import default_aux_layer_ids
-from tandem.random_drafts import make_eagle3_checkpoint, make_eagle_checkpoint, make_mtp_checkpoint
+from tandem.testing.random_drafts import (
+    make_eagle3_checkpoint,
+    make_eagle_checkpoint,
+    make_mtp_checkpoint,
+)
 from tests.checkpoints import ARCHS, make_checkpoint
 
 TOL = 1e-5
-V = 6000  # tandem.random_model.BASE
+V = 6000  # tandem.testing.random_model.BASE
 W = dict[str, torch.Tensor]
 # tokens, hidden inputs [n, H], positions -> outputs [n, H], logits [n, V_d]
 Ref = Callable[[list[int], torch.Tensor, list[int]], tuple[torch.Tensor, torch.Tensor]]

@@ -1,4 +1,4 @@
-"""tandem.draft_stream: prompts go out in messages under the stream's budget, each admit with
+"""tandem.link.messages: prompts go out in messages under the stream's budget, each admit with
 its first frame, and arrive whole."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tandem import wire
-from tandem.draft_stream import StreamState
+from tandem.link.messages import StreamState
 from tandem.spec.types import DraftAdmit, SpecConfig, VerifyOutcome
 from tandem.v1 import common_pb2, draft_pb2
 

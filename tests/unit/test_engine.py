@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine
 from tandem.errors import InvalidRequest
 from tandem.kv import PageAllocator
 from tandem.request import FinishReason, Request
 from tandem.sampling import SamplingParams
-from tandem.scheduler import Scheduler
+from tandem.target.engine import Engine
+from tandem.target.scheduler import Scheduler
 from tests.checkpoints import ARCHS, hf_greedy, make_checkpoint
 
 NEW_TOKENS = 32

@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-from tandem.graph_buffers import no_collection
+from tandem.graphs.base import no_collection
 
 
 class _Cycle:

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from tandem import profiling
 from tandem.bench import idle
 from tandem.bench.idle import Profile
 from tandem.bench.inprocess import Workload
 from tandem.bench.probe import _MARGIN, probe_window
 from tandem.bench.report import Row, table
+from tandem.serving import profiling
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""``tandem/ipc.py``: buffers and events shared by two processes on one GPU.
+"""``tandem/link/ipc.py``: buffers and events shared by two processes on one GPU.
 
 On CPU: what is refused (a CPU tensor, a view, malformed or short descriptions, frames over the
 cap) and the framing over a real socket pair. On the GPU: a child process maps a buffer this
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem import ipc
+from tandem.link import ipc
 
 
 def test_frames_round_trip_and_the_cap_holds() -> None:

@@ -1,0 +1,2 @@
+"""Composition roots: the ``tandem`` command, the demo, the local launcher,
+the client and the embedded default model family."""

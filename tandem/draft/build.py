@@ -1,0 +1,155 @@
+"""Builds a drafter of any kind from a checkpoint directory (what ``--draft-kind`` selects)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.config import DTYPES, on_for_cuda
+from tandem.draft.drafter import ModelDrafter
+from tandem.draft.ngram import NgramDrafter
+from tandem.kv import KVCache, KVCacheSpec
+from tandem.models.decoder import transpose_weights
+from tandem.models.draft import DraftModule
+from tandem.spec.base import Drafter
+from tandem.spec.types import DRAFT_KINDS, MTP_MODES
+
+if TYPE_CHECKING:
+    from tandem.draft.graphs import DraftGraphRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftConfig:
+    """Where the draft comes from and how its KV pool is sized."""
+
+    kind: str  # one of DRAFT_KINDS
+    path: Path | None = None  # draft checkpoint directory; None only for ngram
+    target: Path  # the target checkpoint (EAGLE/MTP read its embedding and lm_head)
+    mtp_mode: str = "chain"  # chain | target (mtp only)
+    dtype: str = "float32"
+    device: str = "cpu"
+    page_size: int = 16
+    num_pages: int = 2048  # per draft module
+    fast_top1: bool = True  # K=1: fused argmax + logsumexp instead of softmax + topk
+    # Chains and extends through CUDA graphs (tandem/draft/graphs.py); None = on for CUDA.
+    cuda_graphs: bool | None = None
+    # The target's default buckets (EngineConfig): a device-chain run needs its bucket on both.
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    cuda_graph_steps: tuple[int, ...] = (3,)  # S captured at load; any other S on first use
+    # Without CUDA graphs (CPU): the graphs' buckets run eagerly on their static buffers, the
+    # stand-in with which the CPU tests run device-chain runs (draft_service/chain.py).
+    static_buckets: bool = False
+    # Projection weights stored transposed (tandem.models.decoder.transpose_weights), as the
+    # target's: cuBLAS's faster layout and the skinny kernel at decode sizes; None = on for CUDA.
+    transposed_weights: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in DRAFT_KINDS:
+            raise ValueError(f"kind: {self.kind!r} is not one of {DRAFT_KINDS}")
+        if self.kind != "ngram" and self.path is None:
+            raise ValueError(f"path: draft kind {self.kind} needs a checkpoint directory")
+        if self.mtp_mode not in MTP_MODES:
+            raise ValueError(f"mtp_mode: {self.mtp_mode!r} is not one of {MTP_MODES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.page_size < 1 or self.num_pages < 1:
+            raise ValueError("page_size/num_pages: must be >= 1")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs: needs a CUDA device, not {self.device!r}")
+        sizes = self.cuda_graph_batch_sizes
+        if not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes)):
+            raise ValueError("cuda_graph_batch_sizes: need increasing sizes >= 1")
+        if any(s < 1 for s in self.cuda_graph_steps):
+            raise ValueError("cuda_graph_steps: every S must be >= 1")
+
+    @property
+    def use_transposed_weights(self) -> bool:
+        return on_for_cuda(self.transposed_weights, self.device)
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        if self.cuda_graphs is None:
+            return self.device.startswith("cuda") and self.kind != "ngram"
+        return self.cuda_graphs
+
+
+def build_drafter(config: DraftConfig, num_target_layers: int) -> Drafter:
+    from tandem.models import draft_loader
+
+    if config.kind == "ngram":
+        return NgramDrafter()
+    assert config.path is not None
+    dtype = DTYPES[config.dtype]
+    kwargs = {"dtype": dtype, "device": config.device}
+    modules: list[DraftModule]
+    layer_ids: tuple[int, ...]
+    if config.kind == "eagle3":
+        head = draft_loader.load_eagle3(config.path, config.target, **kwargs)  # type: ignore[arg-type]
+        modules, layer_ids = [head], tuple(head.aux_layer_ids)
+    elif config.kind == "eagle":
+        modules = [draft_loader.load_eagle(config.path, config.target, **kwargs)]  # type: ignore[arg-type]
+        layer_ids = (num_target_layers,)
+    elif config.kind == "mtp":
+        modules = list(draft_loader.load_mtp(config.path, config.target, **kwargs))  # type: ignore[arg-type]
+        layer_ids = (num_target_layers,)
+    else:
+        modules = [draft_loader.load_standalone(config.path, config.target, **kwargs)]  # type: ignore[arg-type]
+        layer_ids = ()
+    kvs = [
+        KVCache(
+            KVCacheSpec(
+                num_layers=m.num_layers,
+                num_kv_heads=m.num_kv_heads,
+                head_dim=m.head_dim,
+                page_size=config.page_size,
+                dtype=dtype,
+                device=config.device,
+            ),
+            config.num_pages,
+        )
+        for m in modules
+    ]
+    for module in modules:
+        # A served head is never trained: with parameters that need no grad, fused_ops picks
+        # the Triton kernels outside inference mode too (a graph captured at load, say).
+        module.eval().requires_grad_(False)
+        if config.use_transposed_weights:
+            transpose_weights(module)
+    return ModelDrafter(
+        modules,
+        kvs,
+        target_layer_ids=layer_ids,
+        mode=config.mtp_mode,
+        device=torch.device(config.device),
+        fast_top1=config.fast_top1,
+    )
+
+
+def enable_draft_graphs(
+    drafter: Drafter,
+    *,
+    batch_sizes: Sequence[int],
+    max_model_len: int,
+    num_steps: Sequence[int] = (),
+    capture: bool = True,
+) -> DraftGraphRunner | None:
+    """Turns on the draft graphs of a model drafter that has them (None for the others: an
+    n-gram or remote draft, target-mode MTP with several heads)."""
+    from tandem.draft.graphs import DraftGraphRunner
+
+    if not isinstance(drafter, ModelDrafter) or not DraftGraphRunner.supports(drafter):
+        logger.info("draft graphs: not available for %s; drafting eagerly", type(drafter).__name__)
+        return None
+    return drafter.enable_graphs(
+        batch_sizes=batch_sizes,
+        max_model_len=max_model_len,
+        num_steps=num_steps,
+        capture=capture,
+    )

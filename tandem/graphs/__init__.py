@@ -1,0 +1,1 @@
+"""What every CUDA-graph runner shares: buckets, staging, capture."""

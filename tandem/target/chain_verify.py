@@ -1,0 +1,272 @@
+"""The target's half of a device-chain step (``tandem/target/device_chain.py``).
+
+One target launch: the verify bucket over ``Chains`` (node i of row b at KV index and position
+``base[b] + i``: a chain needs no KV move), its ids, positions, slots and lengths written on the
+device; the greedy verdict (``top1`` at every node, the accepted prefix, the new tokens and
+their log-probabilities; with a simulator, a drawn accept length); the verdict's copy into
+pinned memory for the host; ``Outcome`` for the draft (the old base, the accept lengths, the
+new tokens, every node's target features); ``base`` advanced. The host reads a step's verdict
+after launching the next one.
+
+With the target's graphs captured, all of that but the page tables' growth, the simulator's
+noise and the verdict's copy out is one CUDA graph per bucket (captured at the bucket's first
+launch, over the bucket's own state buffers and the ``Outcome`` bound then): one launch a step
+instead of about fifty small kernels and a replay.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+import kernels
+from tandem.graphs.base import Bucket, capture_graph
+from tandem.kv import KVCache
+from tandem.request import Request
+from tandem.spec.chain_buffers import Chains, Outcome, grow_tables, share_on_cpu
+from tandem.spec.simulate import AcceptSimulator
+from tandem.spec.types import Tree, valid_depth
+from tandem.target.graphs import TargetGraphRunner
+
+_RING = 3  # verdict slots in pinned memory: at most two steps are unread at once
+
+
+@dataclass
+class Verdict:
+    """One row of a read step."""
+
+    accepted: int
+    drafted: int  # drafts in the verified chain
+    new_tokens: list[int]  # accepted drafts + the bonus token
+    logprobs: list[float]  # target log-probability of each
+
+
+@dataclass
+class _Static:
+    """A bucket's state buffers: what its captured step reads and writes, kept across runs."""
+
+    base: torch.Tensor  # [bs] int64: KV index of each row's node 0
+    alive: torch.Tensor  # [bs] bool
+    noise: torch.Tensor  # [bs] float32: the simulator's draw for the step
+    verdict: torch.Tensor  # [bs, 2 + 2(S+1)] float64: accepted, drafted, tokens, logprobs
+    chains: Chains
+    graph: torch.cuda.CUDAGraph | None = None
+    bound: int = 0  # data_ptr of the Outcome the graph writes (0: none captured)
+
+
+@dataclass
+class _Launched:
+    slot: int  # its verdict's row of the pinned ring
+    copied: torch.cuda.Event | None  # recorded after the verdict's copy (None off CUDA)
+
+
+class TargetChain:
+    """The target's share of a run: its pool, its verify bucket's inputs, the verdicts."""
+
+    def __init__(
+        self,
+        target: TargetGraphRunner,
+        kv: KVCache,
+        num_steps: int,
+        simulator: AcceptSimulator | None,
+    ) -> None:
+        self.target = target
+        self.alloc = kv.allocator
+        self.num_steps = num_steps
+        self.width = num_steps + 1
+        self.device = target.device
+        self.on_cuda = self.device.type == "cuda"
+        self.mu = 0.0
+        self.generator: torch.Generator | None = None
+        if simulator is not None:  # perf only: tandem.spec.simulate
+            self.mu = simulator.mu
+            self.generator = torch.Generator(device=self.device)
+            self.generator.manual_seed(0)
+        max_bs = max(target.batch_sizes)
+        self._verdicts = torch.zeros(
+            _RING, max_bs, 2 + 2 * self.width, dtype=torch.float64, pin_memory=self.on_cuda
+        )
+        self._next_slot = 0
+        self._j = torch.arange(self.width, device=self.device)
+        self.unread: deque[_Launched] = deque()
+        self.request_ids: list[str] = []
+        self._bucket = Bucket(1, self.width)
+        self._pages: list[int] = []
+        self._statics: dict[Bucket, _Static] = {}
+        self.steps: dict[Bucket, int] = {}  # steps launched per bucket
+        self.chains: Chains | None = None
+        self.outcome: Outcome | None = None
+
+    def reserve(self, reqs: Sequence[Request], unread: int) -> bool:
+        """KV capacity for a launch with ``unread`` steps unread: its verify writes up to
+        ``L - 1 + (unread+1)(S+1) - 1``. False (nothing changed) when the pool cannot."""
+        reach = (unread + 1) * self.width
+        return self.alloc.extend_all(
+            [
+                (r.request_id, max(0, r.num_tokens + reach - self.alloc.num_tokens(r.request_id)))
+                for r in reqs
+            ]
+        )
+
+    def chains_for(self, bucket: Bucket) -> Chains:
+        """The ``Chains`` buffers of ``bucket`` (the draft half writes them), nothing written."""
+        return self._static(bucket).chains
+
+    def begin(self, reqs: Sequence[Request], bucket: Bucket) -> Chains:
+        """Stages the verify bucket for a run of ``reqs`` (reserved already) with their trees
+        as the first step's chains, and returns the ``Chains`` buffers the draft half writes."""
+        self.request_ids = [r.request_id for r in reqs]
+        self._bucket = bucket
+        bs, n, w = bucket.batch_size, len(reqs), self.width
+        tokens, valid, chains = [], [], []
+        for req in reqs:
+            assert req.tree is not None
+            drafts = list(req.tree.tokens[1:])
+            tokens.append([req.tree.tokens[0], *drafts, *[0] * (w - 1 - len(drafts))])
+            valid.append([k < len(drafts) for k in range(self.num_steps)])
+            chains.append(Tree.chain(tokens[-1]))
+        missing = bs - n
+        static = self._static(bucket)
+        static.alive.copy_(torch.tensor([True] * n + [False] * missing))
+        static.base.copy_(torch.tensor([r.num_computed for r in reqs] + [0] * missing))
+        static.chains.tokens.copy_(torch.tensor(tokens + [[0] * w] * missing))
+        static.chains.valid.copy_(torch.tensor(valid + [[False] * self.num_steps] * missing))
+        self.chains = static.chains
+        # Everything staged once (query starts, chain masks, rows, the page tables as now).
+        plan = self.target.plan(self.request_ids, [r.num_computed for r in reqs], chains)
+        assert plan is not None and plan.bucket == bucket
+        self.target.stage(plan)
+        self._pages = [len(p) for p in plan.pages]
+        return self.chains
+
+    def _static(self, bucket: Bucket) -> _Static:
+        static = self._statics.get(bucket)
+        if static is None:
+            bs, w, dev = bucket.batch_size, self.width, self.device
+            static = _Static(
+                base=torch.zeros(bs, dtype=torch.int64, device=dev),
+                alive=torch.zeros(bs, dtype=torch.bool, device=dev),
+                noise=torch.zeros(bs, device=dev),
+                verdict=torch.zeros(bs, 2 + 2 * w, dtype=torch.float64, device=dev),
+                chains=Chains(
+                    tokens=torch.zeros(bs, w, dtype=torch.int64, device=dev),
+                    valid=torch.zeros(bs, self.num_steps, dtype=torch.bool, device=dev),
+                ),
+            )
+            share_on_cpu(static.chains.tokens, static.chains.valid)
+            self._statics[bucket] = static
+        return static
+
+    @torch.inference_mode()
+    def launch(self) -> None:
+        """Queues the verify over ``chains``, the verdict and its copy out, and ``outcome``."""
+        assert self.chains is not None and self.outcome is not None
+        bucket = self._bucket
+        static = self._statics[bucket]
+        table = self.target.buffers(bucket).backend.graph_meta.page_table
+        for i, rid in enumerate(self.request_ids):
+            self._pages[i] = grow_tables([table], i, self.alloc.pages(rid), self._pages[i])
+        if self.generator is not None:
+            torch.randn(
+                bucket.batch_size, device=self.device, generator=self.generator, out=static.noise
+            )
+        if self.target.use_graphs:
+            if static.graph is None or static.bound != self.outcome.base.data_ptr():
+                base = static.base.clone()  # capture runs the step once: it must not count
+                pool = torch.cuda.graph_pool_handle()
+                static.graph = capture_graph(self.device, pool, partial(self._step, static))
+                static.base.copy_(base)
+                static.bound = self.outcome.base.data_ptr()
+            static.graph.replay()
+        else:
+            self._step(static)
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % _RING
+        self._verdicts[slot, : bucket.batch_size].copy_(static.verdict, non_blocking=self.on_cuda)
+        copied = torch.cuda.Event() if self.on_cuda else None
+        if copied is not None:
+            copied.record()
+        self.unread.append(_Launched(slot=slot, copied=copied))
+        self.steps[bucket] = self.steps.get(bucket, 0) + 1
+
+    def _step(self, static: _Static) -> None:
+        """The captured region: verify inputs, the verify forward, the verdict, the outcome.
+        Reads and writes only the bucket's buffers, its ``_Static`` and the ``Outcome``."""
+        assert self.outcome is not None
+        bucket, w, s = self._bucket, self.width, self.num_steps
+        bs, j, alive, base = bucket.batch_size, self._j, static.alive, static.base
+        entry = self.target.buffers(bucket)
+        meta = entry.backend.graph_meta
+        entry.input_ids.copy_(static.chains.tokens.view(-1))
+        ops = kernels.ops(self.device)
+        ops.paged_inputs(  # node i of a chain at base + i: no KV moves
+            base, None, alive, meta.page_table, meta.slot_mapping, meta.seq_lens,
+            meta.masked()[0], entry.positions, page_size=self.alloc.page_size,
+        )  # fmt: skip
+        self.target.forward_static(bucket)
+        logits = self.target.logits[: bs * w]
+        ids, logprobs, _ = ops.top1(logits)
+        choice = ids.view(bs, w)
+        drafts = static.chains.tokens[:, 1:]
+        valid = static.chains.valid
+        depth = torch.cumprod(valid.long(), 1).sum(1)
+        if self.generator is not None:
+            drawn = torch.floor(static.noise + self.mu + 0.5).long().clamp(0, s)
+            accepted = torch.minimum(drawn, depth)
+        else:  # greedy: a draft is accepted while it is the target's choice at its parent
+            accepted = torch.cumprod(((drafts == choice[:, :s]) & valid).long(), 1).sum(1)
+        shifted = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], 1)
+        new = torch.where(j < accepted[:, None], shifted, choice)  # [bs, S+1]
+        # A token's log-probability: its logit minus logsumexp = argmax logit - argmax logprob.
+        rows = logits.view(bs, w, -1)
+        top = rows.gather(2, choice[..., None])[..., 0]
+        new_logprobs = rows.gather(2, new[..., None])[..., 0] - (top - logprobs.view(bs, w))
+        parts = [accepted[:, None], depth[:, None], new, new_logprobs]
+        static.verdict.copy_(torch.cat([part.double() for part in parts], 1))
+        out = self.outcome
+        out.base.copy_(base)
+        out.accepted.copy_(accepted)
+        out.new.copy_(new)
+        out.alive.copy_(alive)
+        if out.features is not None:
+            features = self.target.features
+            assert features is not None, "target features are not captured"
+            out.features.copy_(features[: bs * w])
+        base.add_(accepted + 1)
+
+    def read(self, count: int) -> list[Verdict]:
+        """Waits for the oldest unread step's verdict (not for anything launched after it);
+        its first ``count`` rows."""
+        launched = self.unread.popleft()
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        w = self.width
+        verdicts = []
+        for row in self._verdicts[launched.slot, :count].tolist():
+            accepted = int(row[0])
+            verdicts.append(
+                Verdict(
+                    accepted=accepted,
+                    drafted=int(row[1]),
+                    new_tokens=[int(t) for t in row[2 : 3 + accepted]],
+                    logprobs=row[2 + w : 3 + w + accepted],
+                )
+            )
+        return verdicts
+
+    def next_trees(self, count: int) -> list[Tree]:
+        """The chains the last launched step drafted, as trees (first ``count`` rows)."""
+        assert self.chains is not None
+        tokens = self.chains.tokens[:count].tolist()
+        valid = self.chains.valid[:count].tolist()
+        return [
+            Tree.chain(row[: valid_depth(ok) + 1]) for row, ok in zip(tokens, valid, strict=True)
+        ]
+
+    def end(self) -> None:
+        self.request_ids = []
+        self.chains = self.outcome = None

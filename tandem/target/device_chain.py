@@ -1,0 +1,292 @@
+"""Speculative chain steps launched before the last verdict is read: stage 1 of
+docs/device-cycle.md, in process.
+
+An ordinary speculative step (``Engine.step``) reads the verification on the host, commits,
+and hands the outcome to the drafter, which stages its extend and draft loop from host numbers
+and reads the chain back before the next verify is staged: the GPU waits for the host twice a
+cycle. A run of device-chain steps keeps the cycle's state on the device instead, per request:
+
+- ``base``: the KV index and RoPE position of node 0, the verified token (L - 1);
+- ``tokens``: the chain to verify next ([bs, S+1]: node 0, then the drafts) and ``valid``:
+  which drafts the draft loop found finite (a chain ends at its first invalid draft).
+
+One launch queues, with no host read in between: the target's verify graph, its ids,
+positions, slots and lengths written from ``base`` on the device (a chain needs no KV move:
+node i already sits at L-1+i); the greedy verdict (``top1`` per node, the accepted prefix, the
+new tokens and their log-probabilities, or the simulated accept length) and its copy to pinned
+memory; the draft's extend over the accepted pairs (rows past the accept length store nothing
+and see nothing); the draft loop from the new base, whose chain is the next step's input. The
+host launches step r+1 before it reads step r, so the GPU runs the steps back to back.
+
+What the host knows a step late, and how it stays exact:
+
+- KV pages, in both pools, are reserved for the worst case of every unread step (S+1 tokens
+  each) before a launch, and new pages go into the graphs' page tables on the stream.
+- A request that finishes (EOS, stop, length, abort) is known when its step is read; the step
+  launched meanwhile computed a row for it, which is dropped, and the run ends. Where the
+  unread steps may bring every request to its length limit, nothing is launched before they
+  are read (``may_all_finish``): a run then ends without a wasted step.
+- When the run ends, the host state an ordinary step reads is rebuilt from the last launched
+  step: the target's KV length, the drafter's KV length, last output and kept feature, and each
+  request's next tree (its tokens were appended as the steps were read).
+
+The target's half of a launch is ``tandem/target/chain_verify.py``, the draft's
+``tandem/draft/chain_draft.py``; they hand off through two buffers on the device (``Outcome``,
+``Chains``), as the two services will (docs/device-cycle.md, stage 3). This module runs both
+halves in one process and keeps the run's host bookkeeping.
+
+A run starts only in the steady state (``can_start``): every running request decoding
+greedily without penalties in one lane, each tracked by an in-process ``ModelDrafter`` with
+draft graphs and one module (EAGLE-3, EAGLE, a standalone LM) and holding a chain tree, no
+prompt waiting, graph buckets for the batch, context for three more steps (``max_new_tokens``
+needs none: a request that passes it finishes at the read, its extra tokens dropped). The
+engine ends it when any of that changes (``tandem/target/engine_chain.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tandem.draft.chain_draft import DraftChain
+from tandem.draft.drafter import ModelDrafter
+from tandem.kv import KVCache
+from tandem.link.chain_remote import RemoteChain
+from tandem.link.remote import RemoteDrafter
+from tandem.request import Request
+from tandem.spec.simulate import AcceptSimulator
+from tandem.spec.types import SpecConfig
+from tandem.target.chain_verify import TargetChain
+from tandem.target.graphs import TargetGraphRunner
+from tandem.target.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+ChainHalf = DraftChain | RemoteChain
+_STEPS_AHEAD = 3  # steps of room a request needs to start or go on (two unread, one more)
+
+
+@dataclass
+class ChainRead:
+    """One request's outcome of one step, as the host reads it."""
+
+    request: Request
+    new_tokens: list[int]  # accepted drafts + the bonus token
+    logprobs: list[float]  # target log-probability of each
+    drafted: int  # drafts in the verified chain
+    accepted: int
+
+
+def unsupported(drafter: object, spec: SpecConfig | None, target: TargetGraphRunner | None) -> str:
+    """Why an engine cannot run device-chain steps ('' when it can)."""
+    if spec is None or spec.topk != 1:
+        return "needs chains (topk 1)"
+    if target is None or spec.num_steps + 1 not in target.widths:
+        return "needs CUDA graphs (a CUDA device, cuda_graphs on) with a bucket width of S+1"
+    if getattr(drafter, "remote", False):
+        return ""  # a draft service: it says at each run's start whether it can
+    if not isinstance(drafter, ModelDrafter) or drafter.graphs is None:
+        return "needs a draft service or an in-process drafter with draft graphs"
+    if len(drafter.modules) != 1:
+        return "needs a one-module draft (EAGLE-3, EAGLE, a standalone LM)"
+    return ""
+
+
+def draft_half(drafter: object, spec: SpecConfig, target: TargetGraphRunner) -> ChainHalf:
+    """The draft's half for ``drafter``: in process, or a draft service's over the local
+    stream (``tandem/link/chain_remote.py``)."""
+    if isinstance(drafter, ModelDrafter):
+        return DraftChain(drafter, spec.num_steps)
+    assert isinstance(drafter, RemoteDrafter)
+    return RemoteChain(drafter, spec.num_steps, target)
+
+
+class DeviceChain:
+    """A run of device-chain steps in one process: both halves, the requests, the reads."""
+
+    def __init__(
+        self,
+        *,
+        target: TargetGraphRunner,
+        kv: KVCache,
+        drafter: object,
+        spec: SpecConfig,
+        simulator: AcceptSimulator | None,
+        max_model_len: int,
+    ) -> None:
+        problem = unsupported(drafter, spec, target)
+        if problem:
+            raise ValueError(f"device chain: {problem}")
+        self.target_graphs = target
+        self.num_steps = spec.num_steps
+        self.width = spec.num_steps + 1
+        self.max_model_len = max_model_len
+        self.target = TargetChain(target, kv, self.num_steps, simulator)
+        self.draft = draft_half(drafter, spec, target)
+        self.lost = 0  # runs that ended without the draft's half of their last step
+        self.reqs: list[Request] = []  # the run's requests, in row order ([] when idle)
+        self.runs = 0  # runs started
+        self.launches = 0  # steps launched
+        self._run_launches = 0  # launches before the current run
+
+    @property
+    def active(self) -> bool:
+        return bool(self.reqs)
+
+    @property
+    def unread(self) -> int:
+        """Launched steps not read yet."""
+        return len(self.target.unread)
+
+    # -- when ---------------------------------------------------------------------------------
+
+    def has_room(self, req: Request) -> bool:
+        """Context for the steps a run may have launched past the last read, and one more.
+        ``max_new_tokens`` needs no room: a step that passes it commits up to it (the rest is
+        dropped when the tokens are appended) and the request finishes at that read."""
+        return req.num_tokens + _STEPS_AHEAD * self.width <= self.max_model_len
+
+    def _eligible(self, req: Request) -> bool:
+        p, tree = req.params, req.tree
+        return (
+            req.decoding
+            and req.in_draft
+            and p.greedy
+            and p.repetition_penalty == 1.0
+            and tree is not None
+            and len(tree) <= self.width
+            and tree.is_chain
+            and self.draft.eligible(req.request_id, req.num_tokens)
+            and self.has_room(req)
+        )
+
+    def can_start(self, scheduler: Scheduler) -> bool:
+        """Whether the running requests are in the steady state a run needs (module
+        docstring); the caller checks lanes and the exchange."""
+        running = scheduler.running
+        if self.active or scheduler.waiting or not running:
+            return False
+        if not self.draft.ready():
+            return False
+        if self.target_graphs.bucket_for(len(running), self.width) is None:
+            return False
+        return all(self._eligible(req) for req in running)
+
+    def may_all_finish(self) -> bool:
+        """Whether the unread steps may bring every request of the run to its length limit
+        (``max_new_tokens`` or the context: each step commits 1 to S+1 tokens). A step
+        launched before they are read would then verify rows nobody reads, and the GPU would
+        run it before whatever comes next (the next prompt's prefill): the engine reads first
+        instead, and launches after the read if the run goes on. EOS and stop tokens cannot be
+        foreseen; a request they finish still leaves one step launched ahead."""
+        room = self.unread * self.width
+        return bool(self.reqs) and all(
+            req.length_limit(self.max_model_len) - req.num_tokens <= room for req in self.reqs
+        )
+
+    def stop_reason(self, scheduler: Scheduler) -> str:
+        """Why the run may not launch another step ('' when it may)."""
+        if scheduler.waiting:
+            return "a prompt is waiting"
+        if any(req.finished for req in self.reqs):
+            return "a request finished"
+        if not all(self.has_room(req) for req in self.reqs):
+            return "a request is near the context length"
+        return ""
+
+    # -- launching and reading ----------------------------------------------------------------
+
+    def start(self, reqs: list[Request]) -> bool:
+        """Stages a run of ``reqs`` (their trees are the first step's) and launches its first
+        step; False when the pools cannot hold the reservation (the run does not start)."""
+        bucket = self.target_graphs.bucket_for(len(reqs), self.width)
+        assert bucket is not None and bucket.width == self.width
+        self.reqs = list(reqs)
+        self.draft.request_ids = [r.request_id for r in reqs]
+        if not self._reserve():
+            self.reqs = []
+            return False
+        # The draft first: a draft service answers once its stream has finished what it had
+        # queued (a late half of an abandoned run writes these chains), and only then are
+        # the first step's chains written.
+        self.draft.chains = self.target.chains_for(bucket)
+        outcome = self.draft.begin(self.draft.request_ids, bucket)
+        if outcome is None:  # a draft service refused: the ordinary cycle goes on
+            for req in reqs:
+                self.target.alloc.truncate(req.request_id, req.num_computed)
+            self.draft.chains = None
+            self.reqs = []
+            return False
+        self.target.begin(reqs, bucket)
+        self.target.outcome = self.draft.outcome = outcome
+        self.runs += 1
+        self._run_launches = self.launches
+        log = logger.info if self.runs == 1 else logger.debug  # the first, then DEBUG
+        log("device chain: run %d of %d requests starts", self.runs, len(reqs))
+        self._launch()
+        return True
+
+    def launch(self) -> str:
+        """Launches the next step; why the run must end ('' when it may go on): a pool is
+        full (nothing launched), or the draft did not queue its half of this step or of the
+        last one (whose chains the next verify would read: nothing is launched then)."""
+        if self.draft.failed:
+            return f"the draft: {self.draft.failed}"
+        if not self._reserve():
+            return "a KV pool is full"
+        return self._launch()
+
+    def _reserve(self) -> bool:
+        unread = self.unread
+        lengths = [r.num_tokens for r in self.reqs]
+        return self.target.reserve(self.reqs, unread) and self.draft.reserve(lengths, unread)
+
+    def _launch(self) -> str:
+        self.target.launch()
+        self.launches += 1
+        if self.draft.launch():
+            return ""
+        self.lost += 1
+        return f"the draft: {self.draft.failed}"
+
+    def read(self) -> list[ChainRead]:
+        """Waits for the oldest unread step's verdict and commits its KV progress here and
+        in the drafter; requests that finished since it was launched are skipped. The caller
+        appends the tokens (``Scheduler.postprocess``)."""
+        reads = []
+        for req, v in zip(self.reqs, self.target.read(len(self.reqs)), strict=True):
+            if req.finished:
+                continue
+            req.num_computed += v.accepted + 1
+            self.draft.commit(req.request_id, v.new_tokens)
+            reads.append(ChainRead(req, v.new_tokens, v.logprobs, v.drafted, v.accepted))
+        return reads
+
+    def end(self, reason: str) -> None:
+        """Ends the run once every step is read: the host state of the last launched step
+        (module docstring); finished requests leave the drafter."""
+        assert not self.unread, "end: a step is still unread"
+        logger.debug(
+            "device chain: run %d ends after %d steps (%s)",
+            self.runs,
+            self.launches - self._run_launches,
+            reason,
+        )
+        lost = bool(self.draft.failed)
+        trees = self.target.next_trees(len(self.reqs))
+        finished = [req.finished for req in self.reqs]
+        self.draft.end(finished)  # an aborted request may be released twice: that is a no-op
+        for req, tree, done in zip(self.reqs, trees, finished, strict=True):
+            if done:
+                req.in_draft = False
+                continue
+            self.target.alloc.truncate(req.request_id, req.num_computed)
+            if lost:  # the draft released it: it decodes without speculation from here
+                req.in_draft = req.speculate = False
+                req.tree = None
+                continue
+            assert tree.tokens[0] == req.tokens[-1], "chain out of step"
+            room = req.length_limit(self.max_model_len) - req.num_computed
+            req.tree = tree.prefix(max(1, room))
+        self.target.end()
+        self.reqs = []

@@ -1,0 +1,1 @@
+"""Random models and drafts for tests and benchmarks."""
