@@ -43,7 +43,7 @@ from tandem.draft.chain_draft import DraftChain
 from tandem.draft.drafter import ModelDrafter
 from tandem.link import ipc
 from tandem.sampling import SamplingParams
-from tandem.spec.chain_buffers import Chains, Outcome
+from tandem.spec.chain import Chains, Outcome
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree
 from tandem.target.chain_verify import TargetChain

@@ -1,4 +1,4 @@
-"""``python -m draft_service``: serve a draft model over gRPC (DESIGN.md section 2).
+"""``python -m draft_service``: serve a draft model over gRPC (docs/design.md section 2).
 
 The server listens first (health NOT_SERVING), loads and warms up the draft, then reports
 SERVING; SIGTERM/SIGINT drain open streams for ``--grace`` seconds. The bound address is

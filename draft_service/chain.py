@@ -40,7 +40,7 @@ from tandem.errors import InvalidRequest
 from tandem.graphs.base import Bucket
 from tandem.link import ipc
 from tandem.link.local import SHARING
-from tandem.spec.chain_buffers import Chains, share_on_cpu
+from tandem.spec.chain import Chains, share_on_cpu
 from tandem.v1 import draft_pb2
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from draft_service.config import DraftServiceConfig
 from draft_service.engine import DraftEngine, DraftInfo
 from draft_service.local import LocalStreams
 from draft_service.observe import DraftMetrics
-from draft_service.session import PROTOCOL_VERSION, StreamSteps
+from draft_service.session import StreamSteps
 from tandem import __version__, wire
 from tandem.serving import security
 from tandem.serving.rpc import (
@@ -88,7 +88,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def hello(self, info: DraftInfo) -> draft_pb2.SpeculateHello:
         return draft_pb2.SpeculateHello(
-            protocol_version=PROTOCOL_VERSION,
+            protocol_version=wire.PROTOCOL_VERSION,
             tensor_transports=[draft_pb2.TENSOR_TRANSPORT_INLINE],
             max_message_bytes=self.config.max_message_bytes,
             model_id=info.model_id,

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
 # Benchmarks: with this set, every step is appended there as one JSON line (``StepLog``).
 ENV_STEP_LOG = "TANDEM_DRAFT_STEP_LOG"
 _MAX_ITEMSIZE = 8  # bytes per feature element at most (float64): caps a tensor by its shape
@@ -347,9 +346,9 @@ def _check_hello(request: draft_pb2.SpeculateRequest, first: bool) -> None:
         return
     if not request.HasField("hello"):
         raise InvalidRequest("hello", "the stream's first SpeculateRequest must carry one")
-    if request.hello.protocol_version != PROTOCOL_VERSION:
+    if request.hello.protocol_version != wire.PROTOCOL_VERSION:
         raise InvalidRequest(
             "hello.protocol_version",
             f"{request.hello.protocol_version} is not supported (this draft speaks "
-            f"{PROTOCOL_VERSION})",
+            f"{wire.PROTOCOL_VERSION})",
         )

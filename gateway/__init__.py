@@ -1,4 +1,4 @@
-"""gateway: the public face of Tandem (DESIGN.md section 2).
+"""gateway: the public face of Tandem (docs/design.md section 2).
 
 It owns the request lifecycle, the tokenizer and admission: `server.GatewayServicer` serves
 `tandem.v1.GatewayService`, `target_client.TargetClient` keeps the one control stream to the

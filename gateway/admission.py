@@ -3,7 +3,7 @@
 A request takes a slot before it is admitted at the target and gives it back when it ends.
 Waiters are served first come, first served; a request that would make the queue longer than
 its bound is refused at once (`Overloaded`, which the servicer turns into RESOURCE_EXHAUSTED
-with retry info), so memory and latency stay bounded however many clients call (DESIGN.md
+with retry info), so memory and latency stay bounded however many clients call (docs/design.md
 section 8, "overload"). A queued request can be withdrawn (`withdraw`, for Abort) or cancelled
 (client gone) without disturbing the order of the others.
 """

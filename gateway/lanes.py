@@ -1,4 +1,4 @@
-"""Lanes: which group each running request steps with (DESIGN.md section 5).
+"""Lanes: which group each running request steps with (docs/design.md section 5).
 
 The target steps one lane at a time and the draft drafts a lane while the target verifies the
 other, so with two lanes neither service waits for the other; the price is that each request

@@ -5,7 +5,7 @@ backoff (tenacity) whenever the target is gone, and reports each change of conne
 callback (the gateway's health). Commands go out through a queue, so `admit` and `abort` never
 block and can be called from a cancelled task. Commits come back on the same stream and are
 routed to one asyncio queue per request; when the stream breaks, every request in flight gets
-`TargetUnavailable` at once (DESIGN.md section 8: no hang), and the target, seeing the stream
+`TargetUnavailable` at once (docs/design.md section 8: no hang), and the target, seeing the stream
 end, aborts them and frees their pages.
 """
 

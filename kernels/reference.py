@@ -4,7 +4,7 @@ Each `<op>_ref` has the signature of its Triton twin (`kernels/<op>.py`). Clarit
 come before speed: inputs are validated on the host, and loops run over vocabulary chunks, tree
 levels or siblings, vectorised over the batch, never over single tokens.
 
-Trees (DESIGN.md section 3) are padded per request: request `b` has `num_nodes[b]` nodes out of
+Trees (docs/design.md section 3) are padded per request: request `b` has `num_nodes[b]` nodes out of
 `N`, node 0 is the verified token, and entries at `i >= num_nodes[b]` are padding that is never
 linked, followed or accepted. Child lists are in ascending node order.
 """

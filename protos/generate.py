@@ -1,6 +1,6 @@
 """Regenerate the checked-in protobuf/gRPC stubs of `protos/tandem/v1/*.proto` into `tandem/v1/`.
 
-The one way stubs are made (STYLE.md, Protos):
+The one way stubs are made (CONTRIBUTING.md, "Protos"):
 
     python protos/generate.py           # rewrite tandem/v1/*_pb2{.py,.pyi,_grpc.py}
     python protos/generate.py --check   # exit 1, listing files, if the checked-in stubs differ

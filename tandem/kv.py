@@ -1,4 +1,4 @@
-"""Paged KV pool shared by the target and the draft services (DESIGN.md section 4).
+"""Paged KV pool shared by the target and the draft services (docs/design.md section 4).
 
 A pool is a fixed number of pages of ``page_size`` token slots each. ``PageAllocator`` does the
 bookkeeping (free list, request -> page table, slot mapping); ``KVCache`` adds the per-layer K/V

@@ -42,7 +42,7 @@ class Request:
     speculate: bool = True  # per-request opt-out; False decodes with trees of one node
     tree: Tree | None = None  # the draft's proposal for the next step, node 0 = tokens[-1]
     in_draft: bool = False  # the draft tracks it (admitted after its prompt, until released)
-    lane: int = 0  # the group it steps with (DESIGN.md section 5)
+    lane: int = 0  # the group it steps with (docs/design.md section 5)
     trace_context: dict[str, str] = field(default_factory=dict)  # for the draft's span
     draft_seq: int = 0  # submissions to the draft so far; a tree answers the latest one only
     # Target features of the prompt positions, gathered chunk by chunk for the draft.

@@ -1,4 +1,4 @@
-"""Speed of light for a memory-bound verify (DESIGN.md section 11).
+"""Speed of light for a memory-bound verify (docs/design.md section 11).
 
 ``t_verify_min = bytes read per verify step / copy bandwidth``: the target's weights once per
 step (the input embedding only as the rows it gathers, so not at all) plus every request's KV

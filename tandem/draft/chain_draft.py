@@ -27,7 +27,7 @@ import kernels
 from tandem.draft.drafter import ModelDrafter
 from tandem.draft.plan import PAD_BASE, Staged, chain_schedule
 from tandem.graphs.base import WORD_BITS, Bucket, capture_graph, mask_words
-from tandem.spec.chain_buffers import Chains, Outcome, grow_tables, share_on_cpu
+from tandem.spec.chain import Chains, Outcome, grow_tables, share_on_cpu
 
 
 class DraftChain:

@@ -1,4 +1,4 @@
-"""CUDA-graph runner for the draft (DESIGN.md section 7): the chain loop and the extend.
+"""CUDA-graph runner for the draft (docs/design.md section 7): the chain loop and the extend.
 
 **Draft loop** (K=1 chains, N=S+1): all S steps of a batch in one captured region per bucket
 (``batch_size`` requests, width N). Step 0 takes the top-1 of module 0's last committed output;

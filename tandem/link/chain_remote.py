@@ -36,7 +36,7 @@ from tandem.graphs.base import Bucket
 from tandem.link import ipc
 from tandem.link.local import LocalLink
 from tandem.link.remote import RemoteDrafter
-from tandem.spec.chain_buffers import Chains, Outcome
+from tandem.spec.chain import Chains, Outcome
 from tandem.target.graphs import TargetGraphRunner
 from tandem.v1 import draft_pb2
 

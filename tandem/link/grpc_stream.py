@@ -33,7 +33,6 @@ from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
 _SPECULATE = "/tandem.v1.DraftService/Speculate"  # the stub's method, with _serialize
 
 
@@ -295,7 +294,7 @@ class DraftStreams:
             )()
             await call.write(draft_pb2.SpeculateRequest(hello=self._hello()))
             first = await asyncio.wait_for(call.read(), self.connect_timeout_s)
-            if first is grpc.aio.EOF or first.hello.protocol_version != PROTOCOL_VERSION:
+            if first is grpc.aio.EOF or first.hello.protocol_version != wire.PROTOCOL_VERSION:
                 raise ConnectionError(f"the draft's hello is missing or unsupported: {first}")
         except BaseException:
             await channel.close()
@@ -357,7 +356,7 @@ class DraftStreams:
 
     def _hello(self) -> draft_pb2.SpeculateHello:
         return draft_pb2.SpeculateHello(
-            protocol_version=PROTOCOL_VERSION,
+            protocol_version=wire.PROTOCOL_VERSION,
             tensor_transports=[draft_pb2.TENSOR_TRANSPORT_INLINE],
             max_message_bytes=self.max_message_bytes,
             model_id=self.model_id,

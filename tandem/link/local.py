@@ -1,5 +1,5 @@
 """The local stream: a ``Speculate`` stream over a Unix socket, for a target and a draft on one
-host (DESIGN.md section 6: co-located services may take a faster path, negotiated, with gRPC
+host (docs/design.md section 6: co-located services may take a faster path, negotiated, with gRPC
 as the fallback; docs/architecture.md, "Local stream").
 
 A draft started with ``--local-socket PATH`` reports the path and its process's random

@@ -4,7 +4,7 @@ The target's engine thread calls ``submit(lane, ...)`` and later ``collect(lane)
 it calls an in-process drafter. Underneath, a background thread runs an asyncio loop that owns
 the channel and the stream: ``submit`` sends one SpeculateRequest for the lane and returns;
 ``collect`` waits for the response with that step_id until the submission's deadline
-(``deadline_s`` after it was sent; DESIGN.md section 8). Between the two the target verifies
+(``deadline_s`` after it was sent; docs/design.md section 8). Between the two the target verifies
 the other lane, so with two lanes the draft's work hides behind the target's.
 
 - late: ``collect`` returns {} (the engine decodes that lane without speculation) and the answer

@@ -1,6 +1,5 @@
 """What every Tandem gRPC server shares: options, the error interceptor, health, reflection,
-graceful shutdown, environment defaults and logging (ecosystem.md section 1; DESIGN.md
-section 8).
+graceful shutdown, environment defaults and logging (docs/design.md section 8).
 
 Error mapping lives here and only here: servicers and engines raise the domain exceptions of
 ``tandem.errors`` and :class:`ErrorInterceptor` turns them into status codes with a readable
@@ -15,7 +14,7 @@ message (``google.rpc.Status`` details through grpc-status):
 | anything else | INTERNAL | ``<Type>: <message>``, logged with its traceback |
 
 Other ``TandemError`` s (e.g. ``CheckpointError``) are server-side conditions a caller cannot
-fix by changing its request, so INTERNAL (STYLE.md: "else INTERNAL") rather than
+fix by changing its request, so INTERNAL (CONTRIBUTING.md: "else INTERNAL") rather than
 FAILED_PRECONDITION. A servicer that aborts by itself (``context.abort``, e.g. UNAVAILABLE
 while a model loads) passes through untouched.
 """

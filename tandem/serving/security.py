@@ -1,4 +1,4 @@
-"""Transport security and authentication for Tandem's gRPC hops (ecosystem.md section 5):
+"""Transport security and authentication for Tandem's gRPC hops:
 TLS on the gateway's public port, mutual TLS between the services, bearer tokens on the
 public API.
 

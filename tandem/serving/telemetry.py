@@ -1,4 +1,4 @@
-"""OpenTelemetry for the three services (DESIGN.md section 9): traces and metrics.
+"""OpenTelemetry for the three services (docs/design.md section 9): traces and metrics.
 
 ``setup(service)`` runs once per process, first thing in ``main`` (before any server or channel
 exists: the gRPC instrumentation patches their creation). It reads the standard variables:

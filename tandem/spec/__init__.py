@@ -1,1 +1,1 @@
-"""Speculative decoding: trees, drafters, verification (DESIGN.md section 3)."""
+"""Speculative decoding: trees, drafters, verification (docs/design.md section 3)."""

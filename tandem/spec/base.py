@@ -1,6 +1,6 @@
 """The interface every drafter implements: one call per step, as on the wire.
 
-The engine talks to a drafter per lane (DESIGN.md section 5): ``submit(lane, ...)`` hands over
+The engine talks to a drafter per lane (docs/design.md section 5): ``submit(lane, ...)`` hands over
 what the lane's verification committed, ``collect(lane)`` returns the trees for the lane's next
 step. An in-process drafter does the work inside ``submit``; the remote one only sends there,
 so the draft service drafts lane B while the target verifies lane A.
@@ -8,10 +8,35 @@ so the draft service drafts lane B while the target verifies lane A.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import torch
+
+from tandem.spec.chain import DraftHalf
 from tandem.spec.types import DraftAdmit, Tree, VerifyOutcome
+
+
+class DraftState(enum.IntEnum):
+    """The draft as the target sees it (the values are ``tandem.v1.DraftState``'s)."""
+
+    DISABLED = 1  # no draft: the target decodes alone
+    CONNECTING = 2  # a draft service, no stream established yet
+    HEALTHY = 3  # answering within its deadlines (an in-process drafter always is)
+    UNHEALTHY = 4  # late, or gone and reconnecting
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftStatus:
+    """What the target reports of its drafter (``GetServerInfo``, metrics)."""
+
+    state: DraftState
+    kv_pages_total: int = 0  # the draft's KV pool after its last answer (0: not known)
+    kv_pages_used: int = 0
+    kv_page_size: int = 0
+    fallback_steps: int = 0  # steps that went without their trees (a late or gone draft)
 
 
 class Drafter(ABC):
@@ -84,3 +109,33 @@ class Drafter(ABC):
     def num_tracked(self) -> int:
         """Requests this drafter holds state for (0 after every release: a tested invariant)."""
         return 0
+
+    def status(self) -> DraftStatus:
+        """The drafter's state as the target reports it; in process it is always healthy."""
+        return DraftStatus(state=DraftState.HEALTHY)
+
+    def use_graphs(
+        self,
+        *,
+        batch_sizes: Sequence[int],
+        max_model_len: int,
+        num_steps: Sequence[int] = (),
+        capture: bool = True,
+    ) -> bool:
+        """Captures the draft's CUDA graphs for the target's batch buckets (the draft follows
+        the target); False where this drafter has none (an n-gram draft; a draft service
+        captures its own)."""
+        return False
+
+    def chain_problem(self) -> str:
+        """Why this drafter cannot take the draft's half of device-chain steps ('' when it
+        can; a draft service says at each run's start whether it takes the run)."""
+        return "needs a draft service or an in-process drafter with draft graphs"
+
+    def chain_half(
+        self, num_steps: int, *, device: torch.device, features_width: int | None
+    ) -> DraftHalf:
+        """The draft's half of device-chain runs of ``num_steps`` drafts (``features_width``:
+        the target features per token, None for token-only drafts); only where
+        ``chain_problem()`` is ''."""
+        raise ValueError(f"device chain: {self.chain_problem()}")

@@ -1,5 +1,5 @@
 """The speculative cycle's vocabulary as data: settings, trees, and what crosses between target
-and draft (DESIGN.md section 3; the in-process twin of ``draft.proto``)."""
+and draft (docs/design.md section 3; the in-process twin of ``draft.proto``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Decoding ahead: the overlap inside a service (DESIGN.md section 5).
+"""Decoding ahead: the overlap inside a service (docs/design.md section 5).
 
 In steady plain decoding (target-only, or the adaptive policy's K=0 steps) every request
 commits exactly one token per step, and that token is the next step's input. So the host

@@ -27,7 +27,7 @@ import kernels
 from tandem.graphs.base import Bucket, capture_graph
 from tandem.kv import KVCache
 from tandem.request import Request
-from tandem.spec.chain_buffers import Chains, Outcome, grow_tables, share_on_cpu
+from tandem.spec.chain import Chains, Outcome, grow_tables, share_on_cpu
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import Tree, valid_depth
 from tandem.target.graphs import TargetGraphRunner

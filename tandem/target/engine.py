@@ -5,7 +5,7 @@ Without a drafter it is the target-only engine (every decode is a tree of one no
 each step hands the draft what the verification committed and, at the lane's next step, takes
 back the trees it drafted meanwhile, through the same calls the draft service answers over gRPC.
 
-Lanes (DESIGN.md section 5): every request belongs to a lane, and a step runs one lane's
+Lanes (docs/design.md section 5): every request belongs to a lane, and a step runs one lane's
 requests. Steps take the lanes with work in turn, so with two lanes the draft drafts lane B
 (submitted at the end of B's step) while the target verifies lane A. A tree only answers the
 submission it was drafted for: a request that stepped again in between (it moved lanes, or its

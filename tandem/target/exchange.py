@@ -1,4 +1,4 @@
-"""The engine's side of the draft conversation (DESIGN.md sections 3 and 5).
+"""The engine's side of the draft conversation (docs/design.md sections 3 and 5).
 
 After a lane's step, ``submit`` hands the draft what the verification committed: admits for
 requests whose prompt just finished (with the prompt's target features), outcomes (accepted

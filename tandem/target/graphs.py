@@ -1,4 +1,4 @@
-"""CUDA-graph runner for the target's decode and verify steps (DESIGN.md section 7).
+"""CUDA-graph runner for the target's decode and verify steps (docs/design.md section 7).
 
 A step in which every request verifies a tree (plain decoding: a tree of one node) replays the
 graph of its bucket: ``batch_size`` requests, the smallest captured size that holds the batch,

@@ -1,4 +1,4 @@
-"""Adaptive speculation (DESIGN.md section 5): per batch size, speculate only while it pays.
+"""Adaptive speculation (docs/design.md section 5): per batch size, speculate only while it pays.
 
 Whether speculation pays depends on the batch size (verify cost grows with batch x tree width
 once the forward stops being memory-bound), on the acceptance of the traffic, and on where the

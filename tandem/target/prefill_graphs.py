@@ -1,4 +1,4 @@
-"""CUDA graphs of the target's prompt chunks (DESIGN.md section 7).
+"""CUDA graphs of the target's prompt chunks (docs/design.md section 7).
 
 An eager forward is bound by the host's launches: on an H100, a 128-token prefill of the
 8B-shaped target keeps the GPU busy 7 ms of a 22-43 ms step (about 430 kernels, each launched

@@ -1,6 +1,7 @@
 """Protobuf <-> domain conversion for the wire contract (``from tandem import wire``):
 tensors and frames in ``frames`` (decoding) and ``framing`` (encoding), the contract's domain
-messages in ``convert``."""
+messages in ``convert``, and the version of the target <-> draft protocol both ends check in
+their hellos."""
 
 from tandem.wire.convert import (
     HIDDEN_STATES,
@@ -40,11 +41,15 @@ from tandem.wire.framing import (
     varint,
 )
 
+# The Speculate stream's protocol: a draft service refuses a hello of another version.
+PROTOCOL_VERSION = 1
+
 __all__ = [
     "HIDDEN_STATES",
     "MAX_FRAME_BYTES",
     "MAX_NDIM",
     "MAX_TEMPERATURE",
+    "PROTOCOL_VERSION",
     "EncodedFrame",
     "FrameAssembler",
     "admit_from_proto",

@@ -1,6 +1,6 @@
 """Tensors on the wire: ``Tensor`` messages and chunked ``TensorFrame`` s.
 
-Tensors travel as their raw row-major little-endian element bytes (DESIGN.md section 6; bf16
+Tensors travel as their raw row-major little-endian element bytes (docs/design.md section 6; bf16
 as its uint16 bit pattern): a `Tensor` message for small ones, `TensorFrame` chunks of at most
 4 MiB serialized for anything that grows with the prompt or the batch (built by
 ``tandem.wire.framing``). Decoding trusts nothing:

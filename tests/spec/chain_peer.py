@@ -28,7 +28,7 @@ from tandem.draft.chain_draft import DraftChain
 from tandem.draft.drafter import ModelDrafter
 from tandem.graphs.base import Bucket
 from tandem.link import ipc
-from tandem.spec.chain_buffers import Chains
+from tandem.spec.chain import Chains
 from tandem.spec.types import DraftAdmit, SpecConfig
 
 MAX_MODEL_LEN = 128

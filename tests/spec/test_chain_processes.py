@@ -30,7 +30,7 @@ from tandem.graphs.base import Bucket
 from tandem.link import ipc
 from tandem.request import Request
 from tandem.sampling import SamplingParams
-from tandem.spec.chain_buffers import Outcome
+from tandem.spec.chain import Outcome
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree
 from tandem.target.chain_verify import TargetChain

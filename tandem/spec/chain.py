@@ -7,10 +7,13 @@ them."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from tandem.graphs.base import Bucket
 
 
 @dataclass
@@ -30,6 +33,48 @@ class Chains:
 
     tokens: torch.Tensor  # [bs, S+1] int64: node 0 (the verified token), then the drafts
     valid: torch.Tensor  # [bs, S] bool: drafts with finite logits (a chain ends at the first not)
+
+
+class DraftHalf(ABC):
+    """The draft's share of a run, as the target's half drives it: ``begin`` a run of rows,
+    then per step ``reserve`` and ``launch`` (queued behind the target's half) and ``commit``
+    what each read step accepted, and ``end`` it once every step is read."""
+
+    request_ids: list[str]  # the run's requests, in row order
+    outcome: Outcome | None  # the run's bucket's, written by the target's half
+    chains: Chains | None  # the target's, bound for the run: the draft writes them
+    failed: str  # why the run's last step went without the draft ('' when it did not)
+
+    @abstractmethod
+    def ready(self) -> bool:
+        """Whether a run may start now."""
+
+    @abstractmethod
+    def eligible(self, request_id: str, num_tokens: int) -> bool:
+        """Whether the request, with ``num_tokens`` committed, may join a run."""
+
+    @abstractmethod
+    def begin(self, request_ids: Sequence[str], bucket: Bucket) -> Outcome | None:
+        """Stages a run of ``request_ids`` in ``bucket``; the ``Outcome`` the target writes,
+        or None when the draft cannot take the run (the ordinary cycle goes on)."""
+
+    @abstractmethod
+    def reserve(self, lengths: Sequence[int], unread: int) -> bool:
+        """Reserves the draft's pages for the next launch (rows with ``lengths`` committed,
+        ``unread`` steps launched and not read); False when its pool is full."""
+
+    @abstractmethod
+    def launch(self) -> bool:
+        """Queues the draft's half of a step behind the target's; False (and ``failed`` says
+        why) when it did not."""
+
+    @abstractmethod
+    def commit(self, request_id: str, tokens: list[int]) -> None:
+        """A read step's tokens for the request: accepted drafts and the bonus token."""
+
+    @abstractmethod
+    def end(self, finished: Sequence[bool]) -> None:
+        """Ends the run once every step is read; ``finished`` rows leave the draft."""
 
 
 def share_on_cpu(*tensors: torch.Tensor) -> None:
