@@ -25,7 +25,7 @@ from draft_service.chain import ChainRun
 from draft_service.worker import Worker
 from tandem import transfer
 from tandem.config import DTYPES
-from tandem.draft.build import DraftConfig, build_drafter, enable_draft_graphs
+from tandem.draft.build import DraftConfig, build_drafter
 from tandem.draft.drafter import ModelDrafter
 from tandem.models.config import ModelConfig
 from tandem.serving import profiling
@@ -184,8 +184,7 @@ class DraftEngine:
         target = ModelConfig.from_pretrained(self.config.target)
         drafter = build_drafter(self.config, target.num_layers)
         if self.config.use_cuda_graphs or self.config.static_buckets:
-            enable_draft_graphs(
-                drafter,
+            drafter.use_graphs(
                 batch_sizes=self.config.cuda_graph_batch_sizes,
                 max_model_len=target.max_position_embeddings,
                 num_steps=self.config.cuda_graph_steps,

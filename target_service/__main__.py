@@ -25,6 +25,7 @@ from tandem.config import PREFILL_GRAPH_TOKENS, SPEC_POLICIES, EngineConfig
 from tandem.sampling import SamplingParams
 from tandem.serving import rpc, security, telemetry
 from tandem.spec import simulate
+from tandem.spec.base import Drafter, DraftState, DraftStatus
 from tandem.spec.types import DRAFT_KINDS, SpecConfig
 from tandem.target.engine import Engine
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -311,7 +312,7 @@ def warm_up(engine: Engine) -> None:
         engine.policy.reset()
 
 
-def status(engine: Engine, drafter: object) -> target_pb2.TargetStatus:
+def status(engine: Engine, drafter: Drafter | None) -> target_pb2.TargetStatus:
     alloc = engine.kv.allocator
     out = target_pb2.TargetStatus(
         num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting)
@@ -319,14 +320,12 @@ def status(engine: Engine, drafter: object) -> target_pb2.TargetStatus:
     out.kv_usage.pages_total = alloc.num_pages
     out.kv_usage.pages_used = alloc.num_pages - alloc.num_free_pages
     out.kv_usage.page_size = alloc.page_size
-    draft_kv = getattr(drafter, "kv_usage", None)  # the draft's pool after its last answer
-    if draft_kv is not None and draft_kv.pages_total:
-        out.draft_kv_usage.CopyFrom(draft_kv)
-    state = getattr(drafter, "state", None)
-    if state is not None:
-        out.draft_state = int(state)  # type: ignore[assignment]
-    else:
-        out.draft_state = common_pb2.DRAFT_STATE_DISABLED
+    draft = DraftStatus(state=DraftState.DISABLED) if drafter is None else drafter.status()
+    out.draft_state = int(draft.state)  # type: ignore[assignment]
+    if draft.kv_pages_total:  # the draft's pool after its last answer
+        out.draft_kv_usage.pages_total = draft.kv_pages_total
+        out.draft_kv_usage.pages_used = draft.kv_pages_used
+        out.draft_kv_usage.page_size = draft.kv_page_size
     return out
 
 

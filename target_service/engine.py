@@ -93,9 +93,7 @@ class TargetLoop:
         self._thread = threading.Thread(target=self._run, name="target-engine", daemon=True)
         self._step_id = 0
         self._last_status = 0.0
-        self.observe = TargetObserver(
-            engine, fallbacks=lambda: getattr(engine.drafter, "fallback_steps", 0)
-        )
+        self.observe = TargetObserver(engine, fallbacks=lambda: _fallback_steps(engine))
         self._profile = profiling.step_window("target", engine.config.device)  # None: off
 
     # -- called from the event loop ----------------------------------------------------
@@ -367,3 +365,8 @@ def _step_stats(stats: SpecStats) -> target_pb2.StepStats:
         num_accepted_per_pos=stats.accepted_per_position,
         num_committed_tokens=stats.accepted_tokens + stats.verify_steps,
     )
+
+
+def _fallback_steps(engine: Engine) -> int:
+    """Steps that went without their trees so far (a late or gone draft)."""
+    return 0 if engine.drafter is None else engine.drafter.status().fallback_steps

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +19,7 @@ from tandem.spec.base import Drafter
 from tandem.spec.types import DRAFT_KINDS, MTP_MODES
 
 if TYPE_CHECKING:
-    from tandem.draft.graphs import DraftGraphRunner
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -129,27 +128,4 @@ def build_drafter(config: DraftConfig, num_target_layers: int) -> Drafter:
         mode=config.mtp_mode,
         device=torch.device(config.device),
         fast_top1=config.fast_top1,
-    )
-
-
-def enable_draft_graphs(
-    drafter: Drafter,
-    *,
-    batch_sizes: Sequence[int],
-    max_model_len: int,
-    num_steps: Sequence[int] = (),
-    capture: bool = True,
-) -> DraftGraphRunner | None:
-    """Turns on the draft graphs of a model drafter that has them (None for the others: an
-    n-gram or remote draft, target-mode MTP with several heads)."""
-    from tandem.draft.graphs import DraftGraphRunner
-
-    if not isinstance(drafter, ModelDrafter) or not DraftGraphRunner.supports(drafter):
-        logger.info("draft graphs: not available for %s; drafting eagerly", type(drafter).__name__)
-        return None
-    return drafter.enable_graphs(
-        batch_sizes=batch_sizes,
-        max_model_len=max_model_len,
-        num_steps=num_steps,
-        capture=capture,
     )

@@ -27,10 +27,10 @@ import kernels
 from tandem.draft.drafter import ModelDrafter
 from tandem.draft.plan import PAD_BASE, Staged, chain_schedule
 from tandem.graphs.base import WORD_BITS, Bucket, capture_graph, mask_words
-from tandem.spec.chain import Chains, Outcome, grow_tables, share_on_cpu
+from tandem.spec.chain import Chains, DraftHalf, Outcome, grow_tables, share_on_cpu
 
 
-class DraftChain:
+class DraftChain(DraftHalf):
     """A ``ModelDrafter``'s share of a run: its pool, its buckets' inputs, its host state."""
 
     def __init__(self, drafter: ModelDrafter, num_steps: int) -> None:
@@ -72,7 +72,9 @@ class DraftChain:
             and len(seq.tokens) == num_tokens
         )
 
-    def begin(self, request_ids: Sequence[str], bucket: Bucket) -> Outcome:
+    def begin(
+        self, request_ids: Sequence[str], bucket: Bucket, *, features_width: int | None = None
+    ) -> Outcome:
         """Stages the buckets' static inputs for a run of ``request_ids`` (reserved already)
         and returns the ``Outcome`` buffers the target half writes."""
         self.request_ids = list(request_ids)

@@ -38,6 +38,7 @@ from tandem.kv import KVCache
 from tandem.models import ForwardContext
 from tandem.models.draft import DraftModule
 from tandem.spec.base import Drafter
+from tandem.spec.chain import DraftHalf
 from tandem.spec.tree import CandidatePool, scratch_mask, softmax_topk
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
 from tandem.transfer import to_device
@@ -134,6 +135,42 @@ class ModelDrafter(Drafter):
             attention=attention,
         )
         return self.graphs
+
+    def use_graphs(
+        self,
+        *,
+        batch_sizes: Sequence[int],
+        max_model_len: int,
+        num_steps: Sequence[int] = (),
+        capture: bool = True,
+    ) -> bool:
+        from tandem.draft.graphs import DraftGraphRunner
+
+        if not DraftGraphRunner.supports(self):
+            logger.info("draft graphs: not available for target-mode MTP; drafting eagerly")
+            return False
+        self.enable_graphs(
+            batch_sizes=batch_sizes,
+            max_model_len=max_model_len,
+            num_steps=num_steps,
+            capture=capture,
+        )
+        return True
+
+    def chain_problem(self) -> str:
+        if self.graphs is None:
+            return super().chain_problem()
+        if len(self.modules) != 1:
+            return "needs a one-module draft (EAGLE-3, EAGLE, a standalone LM)"
+        return ""
+
+    def chain_half(self, num_steps: int, device: torch.device) -> DraftHalf:
+        from tandem.draft.chain_draft import DraftChain
+
+        problem = self.chain_problem()
+        if problem:
+            raise ValueError(f"device chain: {problem}")
+        return DraftChain(self, num_steps)
 
     def num_tracked(self) -> int:
         return len(self.seqs)

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from tandem.graphs.base import Bucket
 from tandem.link import ipc
 from tandem.link.local import LocalLink
-from tandem.link.remote import RemoteDrafter
-from tandem.spec.chain import Chains, Outcome
-from tandem.target.graphs import TargetGraphRunner
+from tandem.spec.chain import Chains, DraftHalf, Outcome
 from tandem.v1 import draft_pb2
 
 logger = logging.getLogger(__name__)
@@ -45,20 +43,22 @@ logger = logging.getLogger(__name__)
 _QUIET_S = 1.0  # after a refusal, no run starts for this long (each try is a round trip)
 
 
-class RemoteChain:
+class RemoteChain(DraftHalf):
     """A draft service's share of a run, seen from the target (module docstring)."""
 
     def __init__(
         self,
-        drafter: RemoteDrafter,
         num_steps: int,
-        target: TargetGraphRunner,
+        device: torch.device,
+        *,
+        chain_link: Callable[[], LocalLink | None],
+        deadline_s: float,
     ) -> None:
-        self.drafter = drafter
+        self.chain_link = chain_link  # the draft client's local link, when it runs chains
+        self.deadline_s = deadline_s
         self.num_steps = num_steps
         self.width = num_steps + 1
-        self.target = target  # its features' width is the draft's Outcome's
-        self.device = target.device
+        self.device = device
         self.on_cuda = self.device.type == "cuda"
         self.request_ids: list[str] = []
         self.outcome: Outcome | None = None
@@ -82,7 +82,7 @@ class RemoteChain:
 
     def link(self) -> LocalLink | None:
         """The local link when it can carry a run for this device, else None."""
-        link = self.drafter.chain_link(self.device)
+        link = self.chain_link()
         if link is None:
             return None
         if link is not self._link:  # a new stream: nothing of the old one is mapped there
@@ -111,7 +111,9 @@ class RemoteChain:
         self._lengths, self._unread = list(lengths), unread
         return True
 
-    def begin(self, request_ids: Sequence[str], bucket: Bucket) -> Outcome | None:
+    def begin(
+        self, request_ids: Sequence[str], bucket: Bucket, *, features_width: int | None
+    ) -> Outcome | None:
         """``ChainBegin`` and its answer: the draft's ``Outcome`` for ``bucket``, or None when
         the draft refused, did not answer or the link is gone (the run does not start)."""
         assert self.chains is not None, "begin: the target's chains first"
@@ -146,7 +148,7 @@ class RemoteChain:
             self._quiet_until = time.monotonic() + _QUIET_S
             return None
         try:
-            self._map(ready, bucket)
+            self._map(ready, bucket, features_width)
         except ValueError as exc:  # a malformed answer: this stream runs no chains
             logger.warning("device chain: the draft's buffers: %s; closing the stream", exc)
             link.close()
@@ -159,7 +161,7 @@ class RemoteChain:
         self.outcome = self._outcomes[bucket]
         return self.outcome
 
-    def _map(self, ready: draft_pb2.ChainReady, bucket: Bucket) -> None:
+    def _map(self, ready: draft_pb2.ChainReady, bucket: Bucket, features_width: int | None) -> None:
         if self.on_cuda and self._theirs is None:
             if not ready.event:
                 raise ValueError("no event handle in the first ChainReady")
@@ -174,9 +176,9 @@ class RemoteChain:
         assert link is not None
         features = None
         if len(described) == 5:
-            if self.target.features is None:
+            if features_width is None:
                 raise ValueError("the draft reads features this target does not capture")
-            shape = (bs * w, self.target.features.shape[1])
+            shape = (bs * w, features_width)
             features = ipc.open_buffer(described[4], shape, link.stream.hidden_dtype)
         self._outcomes[bucket] = Outcome(
             base=ipc.open_buffer(described[0], (bs,), torch.int64),
@@ -241,4 +243,4 @@ class RemoteChain:
         self.outcome = self.chains = None
 
     def _deadline(self) -> float:
-        return time.monotonic() + self.drafter.deadline_s
+        return time.monotonic() + self.deadline_s

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import enum
 import functools
 import logging
 import os
@@ -28,20 +27,13 @@ from tandem.link.local import SHARING, Answer, LocalLink, parse_trees
 from tandem.link.messages import Outgoing, StreamState
 from tandem.serving.rpc import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from tandem.serving.security import ClientTLS, open_channel
+from tandem.spec.base import DraftState
 from tandem.spec.types import DraftAdmit, VerifyOutcome
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 _SPECULATE = "/tandem.v1.DraftService/Speculate"  # the stub's method, with _serialize
-
-
-class DraftState(enum.IntEnum):
-    """The draft as this client sees it (values are tandem.v1.DraftState's)."""
-
-    CONNECTING = common_pb2.DRAFT_STATE_CONNECTING  # no stream established yet
-    HEALTHY = common_pb2.DRAFT_STATE_HEALTHY  # answering within its deadlines
-    UNHEALTHY = common_pb2.DRAFT_STATE_UNHEALTHY  # late, or gone and reconnecting
 
 
 # Resolved by the reader with the answer (None when the stream broke), on the client's loop:

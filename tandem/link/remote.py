@@ -59,12 +59,14 @@ from typing import Any, TypeVar
 import torch
 
 from tandem import transfer
-from tandem.link.grpc_stream import DraftState, DraftStreams, Sent, Waiter
+from tandem.link.chain_remote import RemoteChain
+from tandem.link.grpc_stream import DraftStreams, Sent, Waiter
 from tandem.link.local import LocalLink
 from tandem.link.messages import StreamState, shares_outcomes
 from tandem.serving.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from tandem.serving.security import ClientTLS
-from tandem.spec.base import Drafter
+from tandem.spec.base import Drafter, DraftState, DraftStatus
+from tandem.spec.chain import DraftHalf
 from tandem.spec.types import DraftAdmit, Tree, VerifyOutcome
 
 logger = logging.getLogger(__name__)
@@ -371,6 +373,27 @@ class RemoteDrafter(DraftStreams, Drafter):
         if link is None or link.broken is not None or not link.shares(device):
             return None
         return link
+
+    def chain_problem(self) -> str:
+        return ""  # it says at each run's start whether it takes the run
+
+    def chain_half(self, num_steps: int, device: torch.device) -> DraftHalf:
+        return RemoteChain(
+            num_steps,
+            device,
+            chain_link=lambda: self.chain_link(device),
+            deadline_s=self.deadline_s,
+        )
+
+    def status(self) -> DraftStatus:
+        kv = self.kv_usage
+        return DraftStatus(
+            state=self.state,
+            kv_pages_total=kv.pages_total,
+            kv_pages_used=kv.pages_used,
+            kv_page_size=kv.page_size,
+            fallback_steps=self.fallback_steps,
+        )
 
     def take_dropped(self) -> list[str]:
         with self._dropped_lock:

@@ -9,6 +9,7 @@ so the draft service drafts lane B while the target verifies lane A.
 from __future__ import annotations
 
 import enum
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import torch
 
 from tandem.spec.chain import DraftHalf
 from tandem.spec.types import DraftAdmit, Tree, VerifyOutcome
+
+logger = logging.getLogger(__name__)
 
 
 class DraftState(enum.IntEnum):
@@ -125,6 +128,7 @@ class Drafter(ABC):
         """Captures the draft's CUDA graphs for the target's batch buckets (the draft follows
         the target); False where this drafter has none (an n-gram draft; a draft service
         captures its own)."""
+        logger.info("draft graphs: not available for %s; drafting eagerly", type(self).__name__)
         return False
 
     def chain_problem(self) -> str:
@@ -132,10 +136,7 @@ class Drafter(ABC):
         can; a draft service says at each run's start whether it takes the run)."""
         return "needs a draft service or an in-process drafter with draft graphs"
 
-    def chain_half(
-        self, num_steps: int, *, device: torch.device, features_width: int | None
-    ) -> DraftHalf:
-        """The draft's half of device-chain runs of ``num_steps`` drafts (``features_width``:
-        the target features per token, None for token-only drafts); only where
-        ``chain_problem()`` is ''."""
+    def chain_half(self, num_steps: int, device: torch.device) -> DraftHalf:
+        """The draft's half of device-chain runs of ``num_steps`` drafts on ``device`` (the
+        target's); only where ``chain_problem()`` is ''."""
         raise ValueError(f"device chain: {self.chain_problem()}")

@@ -54,9 +54,13 @@ class DraftHalf(ABC):
         """Whether the request, with ``num_tokens`` committed, may join a run."""
 
     @abstractmethod
-    def begin(self, request_ids: Sequence[str], bucket: Bucket) -> Outcome | None:
-        """Stages a run of ``request_ids`` in ``bucket``; the ``Outcome`` the target writes,
-        or None when the draft cannot take the run (the ordinary cycle goes on)."""
+    def begin(
+        self, request_ids: Sequence[str], bucket: Bucket, *, features_width: int | None
+    ) -> Outcome | None:
+        """Stages a run of ``request_ids`` in ``bucket`` (``features_width``: the target
+        features per token it hands over, None for token-only drafts); the ``Outcome`` the
+        target writes, or None when the draft cannot take the run (the ordinary cycle goes
+        on)."""
 
     @abstractmethod
     def reserve(self, lengths: Sequence[int], unread: int) -> bool:

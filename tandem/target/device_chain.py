@@ -48,12 +48,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from tandem.draft.chain_draft import DraftChain
-from tandem.draft.drafter import ModelDrafter
 from tandem.kv import KVCache
-from tandem.link.chain_remote import RemoteChain
-from tandem.link.remote import RemoteDrafter
 from tandem.request import Request
+from tandem.spec.base import Drafter
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import SpecConfig
 from tandem.target.chain_verify import TargetChain
@@ -62,7 +59,6 @@ from tandem.target.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-ChainHalf = DraftChain | RemoteChain
 _STEPS_AHEAD = 3  # steps of room a request needs to start or go on (two unread, one more)
 
 
@@ -77,28 +73,17 @@ class ChainRead:
     accepted: int
 
 
-def unsupported(drafter: object, spec: SpecConfig | None, target: TargetGraphRunner | None) -> str:
+def unsupported(
+    drafter: Drafter | None, spec: SpecConfig | None, target: TargetGraphRunner | None
+) -> str:
     """Why an engine cannot run device-chain steps ('' when it can)."""
     if spec is None or spec.topk != 1:
         return "needs chains (topk 1)"
     if target is None or spec.num_steps + 1 not in target.widths:
         return "needs CUDA graphs (a CUDA device, cuda_graphs on) with a bucket width of S+1"
-    if getattr(drafter, "remote", False):
-        return ""  # a draft service: it says at each run's start whether it can
-    if not isinstance(drafter, ModelDrafter) or drafter.graphs is None:
-        return "needs a draft service or an in-process drafter with draft graphs"
-    if len(drafter.modules) != 1:
-        return "needs a one-module draft (EAGLE-3, EAGLE, a standalone LM)"
-    return ""
-
-
-def draft_half(drafter: object, spec: SpecConfig, target: TargetGraphRunner) -> ChainHalf:
-    """The draft's half for ``drafter``: in process, or a draft service's over the local
-    stream (``tandem/link/chain_remote.py``)."""
-    if isinstance(drafter, ModelDrafter):
-        return DraftChain(drafter, spec.num_steps)
-    assert isinstance(drafter, RemoteDrafter)
-    return RemoteChain(drafter, spec.num_steps, target)
+    if drafter is None:
+        return "needs a drafter"
+    return drafter.chain_problem()
 
 
 class DeviceChain:
@@ -109,7 +94,7 @@ class DeviceChain:
         *,
         target: TargetGraphRunner,
         kv: KVCache,
-        drafter: object,
+        drafter: Drafter,
         spec: SpecConfig,
         simulator: AcceptSimulator | None,
         max_model_len: int,
@@ -122,7 +107,7 @@ class DeviceChain:
         self.width = spec.num_steps + 1
         self.max_model_len = max_model_len
         self.target = TargetChain(target, kv, self.num_steps, simulator)
-        self.draft = draft_half(drafter, spec, target)
+        self.draft = drafter.chain_half(spec.num_steps, target.device)
         self.lost = 0  # runs that ended without the draft's half of their last step
         self.reqs: list[Request] = []  # the run's requests, in row order ([] when idle)
         self.runs = 0  # runs started
@@ -210,7 +195,9 @@ class DeviceChain:
         # queued (a late half of an abandoned run writes these chains), and only then are
         # the first step's chains written.
         self.draft.chains = self.target.chains_for(bucket)
-        outcome = self.draft.begin(self.draft.request_ids, bucket)
+        features = self.target_graphs.features
+        width = None if features is None else features.shape[1]
+        outcome = self.draft.begin(self.draft.request_ids, bucket, features_width=width)
         if outcome is None:  # a draft service refused: the ordinary cycle goes on
             for req in reqs:
                 self.target.alloc.truncate(req.request_id, req.num_computed)

@@ -25,7 +25,6 @@ import torch
 
 from tandem.clock import StepTiming, StreamClock
 from tandem.config import EngineConfig
-from tandem.draft.build import enable_draft_graphs
 from tandem.errors import InvalidRequest
 from tandem.kv import KVCache, KVCacheSpec
 from tandem.models import DecoderLM, load_model
@@ -124,8 +123,7 @@ class Engine(AheadSteps, ChainSteps):
                     capture_layers=drafter.target_layer_ids if drafter is not None else (),
                 )
             if drafter is not None and spec is not None:  # the draft follows the target
-                enable_draft_graphs(
-                    drafter,
+                drafter.use_graphs(
                     batch_sizes=config.graph_batch_sizes,
                     max_model_len=self.max_model_len,
                     num_steps=(spec.num_steps,),

@@ -13,8 +13,9 @@ import pytest
 
 from draft_service.config import DraftServiceConfig
 from gateway.target_client import TargetClient
-from tandem.link.remote import DraftState, RemoteDrafter
+from tandem.link.remote import RemoteDrafter
 from tandem.serving.security import ClientTLS, ServerTLS, server_credentials
+from tandem.spec.base import DraftState
 from tandem.v1 import target_pb2_grpc
 from tests.deploy.pki import PKI
 from tests.service.test_draft_service import (

@@ -26,10 +26,10 @@ from tandem import transfer, wire
 from tandem.config import EngineConfig
 from tandem.draft.build import DraftConfig, build_drafter
 from tandem.errors import CheckpointError, InvalidRequest, KVExhausted, NotFound
-from tandem.link.remote import DraftState, RemoteDrafter
+from tandem.link.remote import RemoteDrafter
 from tandem.sampling import SamplingParams
 from tandem.serving import rpc
-from tandem.spec.base import Drafter
+from tandem.spec.base import Drafter, DraftState
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
 from tandem.target.engine import Engine
 from tandem.testing.random_drafts import make_eagle3_checkpoint

@@ -230,7 +230,9 @@ def test_a_run_the_target_never_started_is_dropped(ckpts: Checkpoints, draft: Se
             lambda a: a.HasField("chain_ready"),
         )
         assert answer is not None and not answer.chain_ready.refused
-        remote._map(answer.chain_ready, bucket)  # as if the engine's begin had taken it
+        features = chain.target_graphs.features
+        width = None if features is None else features.shape[1]
+        remote._map(answer.chain_ready, bucket, width)  # as if the engine's begin had taken it
         remote._described.add(bucket)
         remote._run_id = 100
         engine.step()  # an ordinary step: the draft drops run 100
