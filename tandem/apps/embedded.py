@@ -18,7 +18,7 @@ def family_dir() -> Path:
     override = os.environ.get(ENV)
     if override:
         return Path(override)
-    return Path(__file__).resolve().parent.parent / "checkpoints" / "tandem-code-ref"
+    return Path(__file__).resolve().parents[2] / "checkpoints" / "tandem-code-ref"
 
 
 def defaults(
