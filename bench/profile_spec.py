@@ -38,6 +38,7 @@ from tandem.bench import idle
 from tandem.bench.inprocess import Workload, build_engine, pages_needed, prompts
 from tandem.bench.models import write_preset
 from tandem.bench.presets import PRESETS
+from tandem.link.grpc_transport import GrpcTransport
 from tandem.link.local import LocalLink
 from tandem.link.remote import RemoteDrafter
 from tandem.models.config import ModelConfig
@@ -157,31 +158,30 @@ class RemoteTimeline:
     def __init__(self, remote: RemoteDrafter) -> None:
         self.spans: dict[str, list[int]] = defaultdict(list)
         self._t: dict[str, int] = {}
-        submit, send, on_response, collect = (
-            remote.submit,
-            remote._send,
-            remote._on_response,
-            remote.collect,
-        )
+        submit, collect = remote.submit, remote.collect
+        # The gRPC stream: the loop's _send is the build + write, _on_response the arrival.
+        send, on_response = GrpcTransport._send, GrpcTransport._on_response
 
         def timed_submit(*a: Any) -> None:
             self._t = {"submit": time.perf_counter_ns()}
             submit(*a)
             self._t["submitted"] = time.perf_counter_ns()
 
-        async def timed_send(*a: Any) -> Any:
+        async def timed_send(transport: GrpcTransport, *a: Any) -> Any:
             self._t["send"] = time.perf_counter_ns()
-            out = await send(*a)
+            out = await send(transport, *a)
             self._t["written"] = time.perf_counter_ns()
             return out
 
-        def timed_on_response(response: Any, forward: bool = True) -> None:
+        def answered(response: Any) -> None:
             self._t["answer"] = time.perf_counter_ns()
             self._t["draft_total"] = response.total_ns
             self._t["draft_step"] = response.draft_ns
             self._t["draft_model"] = response.model_ns
-            if forward:
-                on_response(response)
+
+        def timed_on_response(transport: GrpcTransport, response: Any) -> None:
+            answered(response)
+            on_response(transport, response)
 
         def timed_collect(lane: int) -> Any:
             self._t["collect"] = time.perf_counter_ns()
@@ -190,9 +190,9 @@ class RemoteTimeline:
             return out
 
         remote.submit = timed_submit  # type: ignore[method-assign]
-        remote._send = timed_send  # type: ignore[method-assign]
-        remote._on_response = timed_on_response  # type: ignore[method-assign]
         remote.collect = timed_collect  # type: ignore[method-assign]
+        GrpcTransport._send = timed_send  # type: ignore[method-assign]
+        GrpcTransport._on_response = timed_on_response  # type: ignore[method-assign]
         # The local stream: the link's send is the build + write, its _handle the arrival.
         link_send, link_handle = LocalLink.send, LocalLink._handle
 
@@ -204,7 +204,7 @@ class RemoteTimeline:
 
         def timed_link_handle(link: LocalLink, response: Any) -> None:
             if not response.HasField("hello"):
-                timed_on_response(response, forward=False)
+                answered(response)
             link_handle(link, response)
 
         LocalLink.send = timed_link_send  # type: ignore[method-assign]

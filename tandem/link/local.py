@@ -12,16 +12,16 @@ Frames: an 8-byte little-endian length, then that many bytes of a serialised
 above the receiver's ``max_message_bytes`` ends the stream. Everything else is the gRPC
 stream's protocol: the hello first, the same messages and validation, answers in step order.
 
-What it saves is machinery around the bytes (at bs 1 on an H100 it takes 0.7-1.2 ms off the
-2.5 ms a cycle that the gRPC exchange cost over the in-process cycle; docs/performance.md):
-the target's engine thread builds and writes its step and reads the answer itself, with no hop
-to the client's event loop and none through gRPC's threads; on the draft, the engine's worker
-thread reads the socket, runs the step and answers (``draft_service/local.py``).
+What it saves is machinery around the bytes, not the bytes (docs/performance.md has the
+numbers): the target's engine thread builds and writes its step and reads the answer itself,
+with no hop to the client's event loop and none through gRPC's threads; on the draft, the
+engine's worker thread reads the socket, runs the step and answers (``draft_service/local.py``).
 
-:class:`LocalLink` is the target's end. Its sends come from the engine thread, or from the
-client's loop for a step whose features are still being copied to the host (in order: while
-such a send is pending, later ones queue behind it); its reads come from the engine thread
-only. The socket is private to the draft's user (mode 0600); no pickle, only protobuf.
+:class:`LocalLink` is the target's end of the socket; ``tandem/link/local_transport.py`` drives
+it as the drafter's transport. Its sends come from the engine thread, or from the client's loop
+for a step handed there (in order: while such a send is pending, later ones queue behind it);
+its reads come from the engine thread only. The socket is private to the draft's user (mode
+0600); no pickle, only protobuf.
 """
 
 from __future__ import annotations
@@ -34,17 +34,14 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from google.protobuf.message import DecodeError, Message
 
-from tandem import wire
-from tandem.errors import InvalidRequest
 from tandem.link import ipc
-from tandem.link.messages import Outgoing, StreamState
+from tandem.link.messages import Answer, Outgoing, StreamState, parse_trees
 from tandem.link.prompt_ring import PromptRing
-from tandem.spec.types import DraftAdmit, Tree, VerifyOutcome
+from tandem.spec.types import DraftAdmit, VerifyOutcome
 from tandem.v1 import common_pb2, draft_pb2
 
 logger = logging.getLogger(__name__)
@@ -97,29 +94,6 @@ class FrameBuffer:
         payload = bytes(self._buf[HEADER.size : end])
         del self._buf[:end]
         return payload
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A step's answer as the link parsed it."""
-
-    trees: dict[str, Tree]
-    model_ns: int
-
-
-def parse_trees(response: draft_pb2.SpeculateResponse, tracked: dict[str, int]) -> dict[str, Tree]:
-    """The response's valid trees of requests the stream tracks (a malformed one is logged
-    and left out: that request decodes without speculation this step)."""
-    trees: dict[str, Tree] = {}
-    for i, msg in enumerate(response.trees):
-        try:
-            request_id, tree = wire.tree_from_proto(msg, path=f"trees[{i}]")
-        except InvalidRequest as exc:
-            logger.warning("draft sent a malformed tree: %s", exc)
-            continue
-        if request_id in tracked:
-            trees[request_id] = tree
-    return trees
 
 
 class LocalLink:
@@ -235,8 +209,8 @@ class LocalLink:
             return step_id, wanted
 
     def post(self, request: draft_pb2.SpeculateRequest) -> bool:
-        """Writes a message that is not a step (device-chain runs, ``tandem/spec/
-        chain_remote.py``); False when the link is (now) broken."""
+        """Writes a message that is not a step (device-chain runs,
+        ``tandem/link/chain_remote.py``); False when the link is (now) broken."""
         with self._send_lock:
             if self.broken is not None:
                 return False

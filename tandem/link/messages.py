@@ -1,5 +1,7 @@
-"""What one Speculate stream has told the draft, on the target's side: the requests it tracks
-(with the committed length the draft counts) and the prompts not fully sent yet.
+"""The Speculate stream's messages at the target's end: what one stream has told the draft
+(``StreamState``: the requests it tracks, with the committed length the draft counts, and the
+prompts not fully sent yet), how a step goes out (``Outgoing``) and how an answer reads
+(``Answer``, ``parse_trees``). Both transports use them.
 
 ``build(...)`` turns one lane's step into a SpeculateRequest: released ids the draft knows of,
 new admits queued in order, outcomes (merged into the admit when the admit has not gone out yet:
@@ -14,6 +16,7 @@ each naming where; without room they go inline. A new stream starts with a new s
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -21,17 +24,22 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tandem import transfer, wire
-from tandem.spec.types import DraftAdmit, VerifyOutcome
+from tandem.errors import InvalidRequest
+from tandem.spec.types import DraftAdmit, Tree, VerifyOutcome
 from tandem.transfer import nbytes
 from tandem.v1 import draft_pb2
 
+logger = logging.getLogger(__name__)
+
 # A step's outcome features that go through a buffer the draft shares rather than inline: a
 # large batch's step (32 requests: about 3 MiB for an 8B EAGLE-3 head) and the runs K=0 held,
-# sent when speculation resumes. Serialised, 16 MiB took the engine thread 16-35 ms.
+# sent when speculation resumes. Serialising them would hold the engine thread (and the GIL).
 SHARED_OUTCOME_BYTES = 1 << 20
 
 
 class StreamState:
+    """What one stream has told the draft; ``build`` turns a lane's step into its message."""
+
     def __init__(self, *, budget: int, frame_bytes: int, hidden_dtype: torch.dtype) -> None:
         self.budget = budget  # bytes one message may take
         self.frame_bytes = frame_bytes  # bytes one tensor frame may take
@@ -91,7 +99,7 @@ class StreamState:
                 staged.append((msg, features))
         if staged:
             self._share_outcomes(request.step_id, staged)
-        if self.outbox:  # (sizing the message takes ~0.1 ms at 8 requests)
+        if self.outbox:  # (sizing the message costs host time: only when prompts wait)
             self._add_prompts(message)
         return message
 
@@ -172,7 +180,7 @@ class Outgoing:
     ``SerializeToString`` joins the request's bytes and the frames' (a repeated field may
     follow the rest of a message on the wire): each prompt byte is copied once, where upb
     copied it into the message and twice more in its encoder, holding the GIL the target's
-    engine thread needs (16-35 ms for a 16 MiB message on the H100 host)."""
+    engine thread needs for as long."""
 
     request: draft_pb2.SpeculateRequest
     prompts: list[tuple[str, list[wire.EncodedFrame]]] = field(default_factory=list)
@@ -190,3 +198,26 @@ class Outgoing:
     def message(self) -> draft_pb2.SpeculateRequest:
         """The whole SpeculateRequest, as the draft parses it (tests, logs)."""
         return draft_pb2.SpeculateRequest.FromString(self.SerializeToString())
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A step's answer as the target's end parsed it."""
+
+    trees: dict[str, Tree]
+    model_ns: int
+
+
+def parse_trees(response: draft_pb2.SpeculateResponse, tracked: dict[str, int]) -> dict[str, Tree]:
+    """The response's valid trees of requests the stream tracks (a malformed one is logged
+    and left out: that request decodes without speculation this step)."""
+    trees: dict[str, Tree] = {}
+    for i, msg in enumerate(response.trees):
+        try:
+            request_id, tree = wire.tree_from_proto(msg, path=f"trees[{i}]")
+        except InvalidRequest as exc:
+            logger.warning("draft sent a malformed tree: %s", exc)
+            continue
+        if request_id in tracked:
+            trees[request_id] = tree
+    return trees

@@ -52,7 +52,7 @@ def test_remote_drafter_over_mtls(pki: PKI, ckpts: Ckpts, tmp_path: Path) -> Non
         good = RemoteDrafter(server.address, num_target_layers=LAYERS, tls=right, deadline_s=10)
         try:
             assert good.wait_ready(20), "the right certificate did not connect"
-            assert good.local_connects == 0 and not good.local_stream
+            assert good.local_connects == 0 and not good.connection.local_stream
             feed = Feed(7)
             trees = good.step([feed.admit("a", 6)], [], [])
             assert set(trees) == {"a"} and len(trees["a"]) == SPEC.tree_size

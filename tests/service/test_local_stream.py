@@ -21,6 +21,7 @@ from tandem import wire
 from tandem.errors import InvalidRequest
 from tandem.link import messages
 from tandem.link.local import HEADER, FrameBuffer, LocalLink, check_path, encode
+from tandem.link.local_transport import LocalTransport
 from tandem.link.messages import StreamState
 from tandem.link.prompt_ring import PromptRing
 from tandem.link.remote import RemoteDrafter
@@ -311,8 +312,10 @@ def check_outcomes_through_the_buffer(local: Drafter, remote: RemoteDrafter, dev
     lowered) drafts the trees ``local`` does, step after step, and the buffer took every
     outcome's features."""
     assert remote.wait_ready(60) and remote.shares_prompts
-    link = remote._local
-    assert link is not None and link.ring is not None
+    transport = remote.connection.transport
+    assert isinstance(transport, LocalTransport)
+    link = transport.link
+    assert link.ring is not None
     feed = Feed(3, device)
     admits = [feed.admit("a", 7), feed.admit("b", 12)]
     trees = local.step(admits, [], [])

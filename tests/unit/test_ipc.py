@@ -58,7 +58,7 @@ def test_what_cannot_be_described_or_opened() -> None:
 CPU_CHILD = textwrap.dedent(
     """
     import socket, sys, torch
-    from tandem import ipc
+    from tandem.link import ipc
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(sys.argv[1])
     whole = ipc.open_buffer(ipc.recv_frame(conn), (64,), torch.int64)
@@ -104,7 +104,7 @@ def _child(tmp_path: Path, code: str) -> Iterator[socket.socket]:
 CHILD = textwrap.dedent(
     """
     import socket, sys, torch
-    from tandem import ipc
+    from tandem.link import ipc
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(sys.argv[1])
     buf = ipc.open_buffer(ipc.recv_frame(conn), (1024,), torch.int64)
