@@ -294,13 +294,19 @@ def typer_options(*sources: Flags | Option) -> Callable[[F], F]:
 def _typer_parameter(option: Option) -> inspect.Parameter:
     import typer
 
-    kind = option.kind if option.setting.choices is None else Literal[option.setting.choices]
+    choices, text, metavar = option.setting.choices, option.setting.help, None
+    kind = option.kind
+    if choices is not None:  # checked as typer checks a Literal; listed in the help, not wide
+        kind, metavar = Literal[choices], f"<{option.kind.__name__}>"
+        if not all(choice in text for choice in choices):
+            text = f"{text}: {', '.join(choices)}"
     if option.default is None:
         kind = kind | None
     flag = f"--{option.flag}"
     info = typer.Option(
         f"{flag}/--no-{option.flag}" if option.kind is bool else flag,
-        help=_sentence(option.setting.help),
+        help=_sentence(text),
+        metavar=metavar,
         envvar=option.env,
         show_default=option.shown if option.shown is not None else True,
         rich_help_panel=option.title,
