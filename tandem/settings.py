@@ -137,18 +137,7 @@ class Option:
             raise ValueError(f"{self.env}: {exc}") from None
 
     def default_text(self) -> str:
-        if self.shown is not None:
-            return self.shown
-        value = self.default
-        if isinstance(value, bool):
-            return "on" if value else "off"
-        if value is None:
-            return "none"
-        if value == "":
-            return "empty"
-        if isinstance(value, tuple):
-            return ",".join(map(str, value)) or "off"
-        return str(value)
+        return self.shown if self.shown is not None else _text(self.default)
 
     def argv(self, value: Any) -> list[str]:
         """The flag that gives a command line ``value`` (none for None)."""
@@ -156,9 +145,20 @@ class Option:
             return []
         if self.kind is bool:
             return [f"--{self.flag}" if value else f"--no-{self.flag}"]
-        if isinstance(value, tuple):
-            return [f"--{self.flag}", ",".join(map(str, value))]
-        return [f"--{self.flag}", str(value)]
+        return [f"--{self.flag}", _text(value) if isinstance(value, tuple) else str(value)]
+
+
+def _text(value: Any) -> str:
+    """A value as help shows it, and as a flag's text gives it (tuples comma-separated)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "none"
+    if value == "":
+        return "empty"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "off"
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -284,18 +284,32 @@ def typer_options(*sources: Flags | Option) -> Callable[[F], F]:
     def add(command: F) -> F:
         own = inspect.signature(command, eval_str=True)
         kept = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
-        added = [_typer_parameter(o) for source in sources for o in source.options()]
+        options = [o for source in sources for o in source.options()]
+        added = [_typer_parameter(o) for o in options]
         command.__signature__ = own.replace(parameters=[*kept, *added])  # type: ignore[attr-defined]
+        _GENERATED[command] = options
         return command
 
     return add
+
+
+_GENERATED: dict[Callable[..., Any], list[Option]] = {}
+
+
+def generated_options(command: Callable[..., Any]) -> list[Option]:
+    """The options :func:`typer_options` gave ``command`` (none when it gave it none)."""
+    return _GENERATED.get(command, [])
 
 
 def _typer_parameter(option: Option) -> inspect.Parameter:
     import typer
 
     choices, text, metavar = option.setting.choices, option.setting.help, None
-    kind = option.kind
+    kind, default = option.kind, option.default
+    if option.setting.parse is not None:  # typer parses the text, the default's too
+        kind = Any
+        if default is not None and default is not MISSING:
+            default = _text(default)
     if choices is not None:  # checked as typer checks a Literal; listed in the help, not wide
         kind, metavar = Literal[choices], f"<{option.kind.__name__}>"
         if not all(choice in text for choice in choices):
@@ -307,11 +321,12 @@ def _typer_parameter(option: Option) -> inspect.Parameter:
         f"{flag}/--no-{option.flag}" if option.kind is bool else flag,
         help=_sentence(text),
         metavar=metavar,
+        parser=option.setting.parse,
         envvar=option.env,
         show_default=option.shown if option.shown is not None else True,
         rich_help_panel=option.title,
     )
-    default = inspect.Parameter.empty if option.default is MISSING else option.default
+    default = inspect.Parameter.empty if default is MISSING else default
     return inspect.Parameter(
         option.dest,
         inspect.Parameter.KEYWORD_ONLY,
