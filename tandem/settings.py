@@ -1,10 +1,11 @@
 """Configuration declared once: a config dataclass's field carries its help, its environment
 variable and its flag, and the command lines are generated from the fields.
 
-:func:`setting` (or a shared :class:`Setting`'s :meth:`~Setting.field`) puts them into the field's
-metadata. A command line lists the fields it exposes, one config at a time (:class:`Flags`), and
-gets an argparse parser from them (:func:`build_parser`: the services, the health probe) or typer
-options (:func:`typer_options`: the ``tandem`` commands). So a flag's help is written once.
+:func:`setting` puts them into the field's metadata, declared there or shared by several configs
+(``setting(16, like=PAGE_SIZE)``). A command line lists the fields it exposes, one config at a
+time (:class:`Flags`), and gets an argparse parser from them (:func:`build_parser`: the services,
+the health probe) or typer options (:func:`typer_options`: the ``tandem`` commands), which name
+their own variables. So a flag's help is written once.
 
 Precedence: the flag, then the environment variable, then the default. A variable's name is the
 command line's prefix (``TANDEM_TARGET_``) followed by the setting's ``env``, or ``env`` alone
@@ -352,7 +353,7 @@ LOG_LEVEL = Setting(help="Python logging level (DEBUG, INFO, WARNING, ERROR)", e
 REFLECTION = Setting(
     help="gRPC server reflection (for grpcurl); off in production", env="REFLECTION"
 )
-# The target's and the gateway's, which `tandem serve` and `tandem bench` pass on.
+# The target service's and the gateway's, which `tandem serve` (and `tandem bench`) pass on.
 DRAFT_DEADLINE = Setting(
     help="seconds a step waits for the draft's trees; past it the step decodes without them",
     env="DRAFT_DEADLINE",
