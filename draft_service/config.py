@@ -1,7 +1,7 @@
 """Draft service configuration: what to load (a `DraftConfig`) and how to serve it.
 
-Every flag of ``python -m draft_service`` has a ``TANDEM_DRAFT_*`` environment default (see
-``__main__.py``); flags win over the environment.
+Each setting's help, flag and ``TANDEM_DRAFT_*`` variable are declared on its field
+(tandem.settings; ``python -m draft_service --help`` lists them); flags win over the environment.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from tandem.draft.build import DraftConfig
 from tandem.link.local import check_path
 from tandem.serving.rpc import DEFAULT_MAX_MESSAGE_BYTES, format_address
 from tandem.serving.security import ServerTLS
-from tandem.serving.telemetry import check_metrics_port
+from tandem.serving.telemetry import METRICS_PORT, check_metrics_port
+from tandem.settings import GRACE, HOST, LOG_LEVEL, PORT, REFLECTION, setting
 from tandem.spec.types import SpecConfig
 
 MIN_MESSAGE_BYTES = 64 * 1024  # room for a hello, a few outcomes and one small frame
@@ -27,21 +28,38 @@ class DraftServiceConfig:
     """How one draft service loads its drafter and listens."""
 
     draft: DraftConfig  # kind, checkpoint, target, dtype, device, KV pool
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 = any free port (printed and logged once bound)
+    host: str = setting("127.0.0.1", like=HOST)
+    port: int = setting(0, like=PORT)  # 0 = any free port (printed and logged once bound)
     max_spec: SpecConfig = field(default_factory=lambda: DEFAULT_MAX_SPEC)
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # per message, both directions
-    reflection: bool = False  # gRPC server reflection (grpcurl); off in production
-    grace_s: float = 10.0  # SIGTERM: open streams get this long before they are cut
-    log_level: str = "INFO"
+    max_message_bytes: int = setting(  # per message, both directions
+        DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest gRPC message, either direction, in bytes",
+        env="MAX_MESSAGE_BYTES",
+    )
+    reflection: bool = setting(False, like=REFLECTION)  # grpcurl; off in production
+    # SIGTERM: open streams get this long before they are cut.
+    grace_s: float = setting(10.0, like=GRACE, env="GRACE_S")
+    log_level: str = setting("INFO", like=LOG_LEVEL)
     tls: ServerTLS | None = None  # TLS (mTLS with require_client_cert) on the port; None = plain
-    metrics_port: int | None = None  # Prometheus /metrics on this port; None = none
+    metrics_port: int | None = setting(None, like=METRICS_PORT)  # None: no /metrics
     # Also serve Speculate streams on this Unix socket (tandem.link.local), for a target on
     # this host; None = gRPC only.
-    local_socket: str | None = None
+    local_socket: str | None = setting(
+        None,
+        help="also serve Speculate streams on this Unix socket (mode 0600), which a target on "
+        "this host uses instead of gRPC when it can open it",
+        env="LOCAL_SOCKET",
+        shown_default="none (gRPC only)",
+    )
     # On a local stream that shares the device with its target (draft_service/chain.py), a
     # buffer of this many MiB for the target's prompt features (0: they travel inline).
-    prompt_buffer_mb: int = 256
+    prompt_buffer_mb: int = setting(
+        256,
+        help="on a local stream that shares this device with its target (CUDA IPC, or shared "
+        "memory on CPU), a buffer of this many MiB into which the target writes prompt "
+        "features instead of sending them inline (0: inline)",
+        env="PROMPT_BUFFER_MB",
+    )
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)

@@ -1,4 +1,5 @@
-"""Gateway configuration (flags and ``TANDEM_GATEWAY_*`` environment variables)."""
+"""Gateway configuration: each setting's help, flag and ``TANDEM_GATEWAY_*`` variable
+(tandem.settings; ``python -m gateway --help`` lists them)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 from tandem.serving.rpc import parse_address
 from tandem.serving.security import MIN_TOKEN_CHARS, ClientTLS, ServerTLS
-from tandem.serving.telemetry import check_metrics_port
+from tandem.serving.telemetry import METRICS_PORT, check_metrics_port
+from tandem.settings import GRACE, HOST, LOG_LEVEL, PORT, REFLECTION, TWO_LANE_BATCH, setting
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -17,26 +19,34 @@ class GatewayConfig:
     """Everything `python -m gateway` needs; validated on construction (ValueError names the
     field)."""
 
-    target_addr: str  # HOST:PORT of the target service's Control stream
-    tokenizer: Path  # the target checkpoint directory (its tokenizer files)
-    host: str = "0.0.0.0"  # the public face: every interface by default
-    port: int = 50051  # 0 = any free port (logged)
-    max_running: int = 64  # requests admitted at the target at once
-    max_queue: int = 256  # requests waiting for admission; more -> RESOURCE_EXHAUSTED
-    reflection: bool = False
-    grace_s: float = 10.0  # SIGTERM: drain this long before exiting
-    log_level: str = "INFO"
+    target_addr: str = setting(help="HOST:PORT of the target service", env="TARGET_ADDR")
+    tokenizer: Path = setting(
+        help="the target checkpoint directory (its tokenizer files)", env="TOKENIZER"
+    )
+    host: str = setting("0.0.0.0", like=HOST)  # the public face: every interface by default
+    port: int = setting(50051, like=PORT)
+    max_running: int = setting(
+        64, help="requests admitted at the target at once", env="MAX_RUNNING"
+    )
+    max_queue: int = setting(
+        256,
+        help="requests waiting for admission; beyond it RESOURCE_EXHAUSTED",
+        env="MAX_QUEUE",
+    )
+    reflection: bool = setting(False, like=REFLECTION)
+    grace_s: float = setting(10.0, like=GRACE)  # SIGTERM: drain this long before exiting
+    log_level: str = setting("INFO", like=LOG_LEVEL)
     max_stop_strings: int = 8
     max_stop_string_chars: int = 256
     retry_after_s: float = 1.0  # RetryInfo.retry_delay sent with RESOURCE_EXHAUSTED
     target_timeout_s: float = 5.0  # unary calls to the target (GetInfo)
     max_message_bytes: int = 64 << 20
-    two_lane_batch: int = 16  # two lanes from this many running requests; 0 = always one
+    two_lane_batch: int = setting(16, like=TWO_LANE_BATCH)  # 0 = always one lane
     tls: ServerTLS | None = None  # TLS on the public port; None = plain
     # Accepted bearer tokens for the public API (health exempt); empty = no authentication.
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     target_tls: ClientTLS | None = None  # TLS (mTLS with cert/key) to the target; None = plain
-    metrics_port: int | None = None  # Prometheus /metrics on this port; None = none
+    metrics_port: int | None = setting(None, like=METRICS_PORT)  # None: no /metrics
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
@@ -76,3 +86,19 @@ class GatewayConfig:
         object.__setattr__(self, "auth_tokens", tuple(self.auth_tokens))
         if any(len(token) < MIN_TOKEN_CHARS for token in self.auth_tokens):
             raise ValueError(f"auth_tokens: each needs at least {MIN_TOKEN_CHARS} characters")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenSources:
+    """Where ``GatewayConfig.auth_tokens`` come from on the command line
+    (``security.load_tokens``)."""
+
+    auth_token: str | None = setting(
+        None,
+        help="accepted bearer token; prefer the variable or --auth-token-file (argv is visible)",
+        env="AUTH_TOKEN",
+        repr=False,
+    )
+    auth_token_file: Path | None = setting(
+        None, help="file of accepted tokens, one per line (# comments)", env="AUTH_TOKEN_FILE"
+    )

@@ -1,15 +1,60 @@
-"""Engine configuration (frozen, validated; environment variables use the TANDEM_ prefix)."""
+"""Engine configuration (frozen, validated), and the settings a target and a draft share (each
+field's help, flag and environment variable: tandem.settings)."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tandem.settings import Setting, setting
+from tandem.spec.types import DRAFT_KINDS
+
 SPEC_POLICIES = ("fixed", "adaptive", "k0")
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)  # EngineConfig.prefill_graph_tokens
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def token_counts(raw: str) -> tuple[int, ...]:
+    """``--prefill-graph-tokens``: comma-separated counts, or 'off' (EngineConfig checks that
+    they increase from 1)."""
+    if raw.strip().lower() in ("off", "none", ""):
+        return ()
+    try:
+        return tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{raw!r}: expected counts like 16,32,64 or 'off'"
+        ) from None
+
+
+# The settings of both an engine (the target) and a draft.
+TARGET = Setting(
+    help="target checkpoint directory (Hugging Face format)", env="TARGET", flag="target"
+)
+DEVICE = Setting(help="cpu or cuda[:N]", env="DEVICE")
+DTYPE = Setting(help="the models' dtype", env="DTYPE", choices=tuple(sorted(DTYPES)))
+PAGE_SIZE = Setting(help="tokens per KV page", env="PAGE_SIZE")
+NUM_PAGES = Setting(help="KV pool size in pages (a draft's: per draft module)", env="NUM_PAGES")
+CUDA_GRAPHS = Setting(
+    help="run steps through CUDA graphs (the target's decode/verify steps, the draft's chains "
+    "and extends)",
+    env="CUDA_GRAPHS",
+    shown_default="on for CUDA devices",
+)
+TRANSPOSED_WEIGHTS = Setting(
+    help="store the projection weights transposed, the faster GEMM layout for decoding on Hopper",
+    env="TRANSPOSED_WEIGHTS",
+    shown_default="on for CUDA devices",
+)
+DRAFT_KIND = Setting(
+    help="the draft's kind (ngram needs no checkpoint)",
+    env="KIND",
+    flag="draft-kind",
+    choices=DRAFT_KINDS,
+)
 
 
 def on_for_cuda(choice: bool | None, device: str) -> bool:
@@ -21,47 +66,80 @@ def on_for_cuda(choice: bool | None, device: str) -> bool:
 class EngineConfig:
     """How one engine loads its model and sizes its batch and KV pool."""
 
-    model: Path  # Hugging Face checkpoint directory
-    dtype: str = "float32"  # one of DTYPES
-    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
-    page_size: int = 16  # tokens per KV page
-    max_num_seqs: int = 64  # requests running at once
-    max_num_batched_tokens: int = 2048  # tokens per forward; longer prompts are chunked
+    model: Path = setting(like=TARGET)
+    dtype: str = setting("float32", like=DTYPE)
+    device: str = setting("cpu", like=DEVICE)
+    page_size: int = setting(16, like=PAGE_SIZE)
+    max_num_seqs: int = setting(64, help="requests running at once", env="MAX_NUM_SEQS")
+    max_num_batched_tokens: int = setting(
+        2048,
+        help="tokens per forward; longer prompts are prefilled in chunks",
+        env="MAX_NUM_BATCHED_TOKENS",
+    )
     max_model_len: int | None = None  # prompt + output cap; None = the model's context length
-    num_pages: int | None = None  # KV pool size in pages; wins over kv_cache_bytes
+    # KV pool size in pages; wins over kv_cache_bytes
+    num_pages: int | None = setting(None, like=NUM_PAGES, shown_default="sized to free memory")
     kv_cache_bytes: int | None = None  # KV pool size as a memory budget
     gpu_memory_utilization: float = 0.85  # share of free GPU memory for KV when unsized
     # Decode/verify steps through CUDA graphs (tandem/target/graphs.py); None = on for CUDA devices.
-    cuda_graphs: bool | None = None
+    cuda_graphs: bool | None = setting(None, like=CUDA_GRAPHS)
     # Captured batch sizes; sizes past the first one >= max_num_seqs are never captured.
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     # With graphs: token counts at which a prompt chunk alone in its step replays a CUDA graph
     # (tandem/target/prefill_graphs.py); counts past max_num_batched_tokens are never captured;
     # () = every prompt chunk runs eagerly.
-    prefill_graph_tokens: tuple[int, ...] = PREFILL_GRAPH_TOKENS
+    prefill_graph_tokens: tuple[int, ...] = setting(
+        PREFILL_GRAPH_TOKENS,
+        help="with CUDA graphs, the token counts at which a prompt chunk alone in its step "
+        "replays a CUDA graph, comma-separated, or 'off'",
+        env="PREFILL_GRAPH_TOKENS",
+        parse=token_counts,
+    )
     # Perf only (tandem.spec.simulate): accept this mean length whatever the drafts are; the
-    # output is then not the target's. Set by `tandem bench` and TANDEM_SIMULATE_ACCEPT_LENGTH.
-    simulate_accept_length: float | None = None
-    # "fixed": speculate every step (with a drafter); "adaptive": per batch size, speculate
-    # only while it commits more tokens per second than K=0 decoding (tandem/target/policy.py);
-    # "k0": never (the draft stays attached and in step; measures the K=0 path).
-    spec_policy: str = "fixed"
-    # Plain greedy decode steps (target-only, K=0) launch the next step before reading the
-    # last one (tandem/target/ahead.py); False runs every step synchronously.
-    overlap: bool = True
-    # Steady greedy chain speculation runs as device-chain steps: each launched before the
-    # last one is read (tandem/target/device_chain.py), with an in-process drafter or a draft
-    # service on the local stream (tandem/link/chain_remote.py). Needs graphs.
-    device_chain: bool = False
-    # The target's projection weights stored transposed (DecoderLM.use_transposed_weights):
-    # cuBLAS's faster layout for decode-sized GEMMs; None = on for CUDA devices.
-    transposed_weights: bool | None = None
-    # Batch-invariant target kernels (CUDA): every projection, the lm_head and attention run
-    # tiles whose per-row sums do not depend on the batch (kernels.skinny, tree_attention's
-    # batch_invariant), so a token's logits are bit-identical decoded alone or verified among
-    # S+1 tokens in any batch: greedy speculation then equals target-only decoding in bf16 too.
-    # Costs speed where cuBLAS or KV splits were faster (large batches, prefill).
-    batch_invariant: bool = False
+    # output is then not the target's. The target service reads it from the environment only.
+    simulate_accept_length: float | None = setting(
+        None,
+        help="PERF ONLY: force this mean accept length (drafts accepted unchecked; the output "
+        "is not the target's), for random-weight models",
+        env="TANDEM_SIMULATE_ACCEPT_LENGTH",
+    )
+    # tandem/target/policy.py; "k0": the draft stays attached and in step (measures the K=0 path).
+    spec_policy: str = setting(
+        "fixed",
+        help="fixed: speculate every step; adaptive: per batch size, speculate only while it "
+        "commits more tokens per second than K=0 decoding; k0: never",
+        env="SPEC_POLICY",
+        choices=SPEC_POLICIES,
+    )
+    # tandem/target/ahead.py
+    overlap: bool = setting(
+        True,
+        help="plain greedy decode steps (no draft, or K=0) launch the next step before the last "
+        "one is read",
+        env="OVERLAP",
+    )
+    # Steady greedy chain speculation as device-chain steps (tandem/target/device_chain.py), with
+    # an in-process drafter or a draft service on the local stream (tandem/link/chain_remote.py).
+    device_chain: bool = setting(
+        False,
+        help="steady greedy chain speculation runs as device-chain steps: both halves queued on "
+        "the GPU before the last step is read (needs CUDA graphs and a one-module draft on this "
+        "GPU, in process or reached through its local socket; docs/device-cycle.md)",
+        env="DEVICE_CHAIN",
+    )
+    # DecoderLM.use_transposed_weights: cuBLAS's faster layout for decode-sized GEMMs.
+    transposed_weights: bool | None = setting(None, like=TRANSPOSED_WEIGHTS)
+    # Every projection, the lm_head and attention run tiles whose per-row sums do not depend on
+    # the batch (kernels.skinny, tree_attention's batch_invariant), so a token's logits are
+    # bit-identical decoded alone or verified among S+1 tokens in any batch. Costs speed where
+    # cuBLAS or KV splits were faster (large batches, prefill).
+    batch_invariant: bool = setting(
+        False,
+        help="batch-invariant target kernels (CUDA): a token's logits do not depend on its batch, "
+        "so greedy speculation equals target-only decoding in bf16 too; slower at large batches "
+        "and in prefill",
+        env="BATCH_INVARIANT",
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

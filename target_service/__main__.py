@@ -1,6 +1,6 @@
 """``python -m target_service``: load the target, connect to the draft, serve the gateway.
 
-Every flag has a ``TANDEM_TARGET_<FLAG>`` environment default (e.g. TANDEM_TARGET_PORT).
+Every flag has a ``TANDEM_TARGET_*`` environment default, named in its ``--help`` (flags win).
 Health is NOT_SERVING until the model is loaded and a warm-up step ran; SIGTERM drains.
 ``--tls-cert``/``--tls-key`` (+ ``--tls-client-ca --require-client-cert`` for mutual TLS) secure
 the port; ``--draft-tls-*`` the channel to the draft (``tandem.serving.security``).
@@ -15,18 +15,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
+import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
-from tandem import __version__, transfer
-from tandem.config import PREFILL_GRAPH_TOKENS, SPEC_POLICIES, EngineConfig
+from tandem import __version__, settings, transfer
+from tandem.config import EngineConfig
 from tandem.sampling import SamplingParams
 from tandem.serving import rpc, security, telemetry
+from tandem.settings import Flags, SettingsParser
 from tandem.spec import simulate
 from tandem.spec.base import Drafter, DraftState, DraftStatus
-from tandem.spec.types import DRAFT_KINDS, SpecConfig
+from tandem.spec.types import SpecConfig
 from tandem.target.engine import Engine
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.config import TargetServiceConfig
@@ -46,151 +46,62 @@ _KINDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every flag of ``python -m target_service`` with its TANDEM_TARGET_* default."""
-    env = rpc.env_default
-    p = argparse.ArgumentParser(prog="python -m target_service", description=__doc__)
-    p.add_argument("--target", type=Path, default=env("TANDEM_TARGET_TARGET", None))
-    p.add_argument("--host", default=env("TANDEM_TARGET_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env("TANDEM_TARGET_PORT", "0")))
-    p.add_argument("--draft-addr", default=env("TANDEM_TARGET_DRAFT_ADDR", None))
-    p.add_argument(
-        "--draft-kind", choices=DRAFT_KINDS, default=env("TANDEM_TARGET_DRAFT_KIND", None)
-    )
-    p.add_argument("--spec-steps", type=int, default=int(env("TANDEM_TARGET_SPEC_STEPS", "3")))
-    p.add_argument("--spec-topk", type=int, default=int(env("TANDEM_TARGET_SPEC_TOPK", "1")))
-    p.add_argument("--spec-tokens", type=int, default=env("TANDEM_TARGET_SPEC_TOKENS", None))
-    p.add_argument(
-        "--draft-deadline", type=float, default=float(env("TANDEM_TARGET_DRAFT_DEADLINE", "0.5"))
-    )
-    p.add_argument(
-        "--draft-local-stream",
-        action=argparse.BooleanOptionalAction,
-        default=env("TANDEM_TARGET_DRAFT_LOCAL_STREAM", True),
-        help="when the draft reports a local socket this host can open, run the Speculate "
-        "stream there instead of over gRPC (never with draft TLS; default: on)",
-    )
-    p.add_argument(
-        "--admission-window",
-        type=float,
-        default=float(env("TANDEM_TARGET_ADMISSION_WINDOW", "0.05")),
-        help="seconds an idle target waits at most after a first request for the rest of its "
-        "burst, so they prefill together (stops sooner once none came for --admission-gap, or "
-        "once the waiting requests fill a step; 0: off; default: 0.05)",
-    )
-    p.add_argument(
-        "--admission-gap",
-        type=float,
-        default=float(env("TANDEM_TARGET_ADMISSION_GAP", "0.002")),
-        help="seconds without a new request that end an idle target's wait for a burst "
-        "(default: 0.002)",
-    )
-    p.add_argument("--page-size", type=int, default=int(env("TANDEM_TARGET_PAGE_SIZE", "16")))
-    p.add_argument("--num-pages", type=int, default=env("TANDEM_TARGET_NUM_PAGES", None))
-    p.add_argument("--max-num-seqs", type=int, default=int(env("TANDEM_TARGET_MAX_NUM_SEQS", "64")))
-    p.add_argument("--device", default=env("TANDEM_TARGET_DEVICE", "cpu"))
-    p.add_argument("--dtype", default=env("TANDEM_TARGET_DTYPE", "float32"))
-    graphs = None  # unset: on for CUDA devices
-    if env("TANDEM_TARGET_CUDA_GRAPHS", None) is not None:
-        graphs = env("TANDEM_TARGET_CUDA_GRAPHS", True)
-    p.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=graphs,
-        help="decode/verify steps through CUDA graphs (default: on for CUDA devices)",
-    )
-    p.add_argument(
-        "--prefill-graph-tokens",
-        type=_token_counts,
-        # A string default: argparse parses it as it would the flag (errors name the flag).
-        default=env("TANDEM_TARGET_PREFILL_GRAPH_TOKENS", ",".join(map(str, PREFILL_GRAPH_TOKENS))),
-        help="with CUDA graphs, the token counts at which a prompt chunk alone in its step "
-        "replays a CUDA graph, comma-separated, or 'off' (default: "
-        f"{','.join(map(str, PREFILL_GRAPH_TOKENS))})",
-    )
-    p.add_argument(
-        "--spec-policy",
-        choices=SPEC_POLICIES,
-        default=env("TANDEM_TARGET_SPEC_POLICY", "fixed"),
-        help="fixed: speculate every step; adaptive: per batch size, speculate only while it "
-        "commits more tokens per second than K=0 decoding (default: fixed)",
-    )
-    p.add_argument(
-        "--overlap",
-        action=argparse.BooleanOptionalAction,
-        default=env("TANDEM_TARGET_OVERLAP", True),
-        help="plain greedy decode steps (no draft, or K=0) launch the next step before the "
-        "last one is read (default: on)",
-    )
-    p.add_argument(
-        "--device-chain",
-        action=argparse.BooleanOptionalAction,
-        default=env("TANDEM_TARGET_DEVICE_CHAIN", False),
-        help="steady greedy chain speculation with a draft on this GPU, reached through its "
-        "local socket, runs as device-chain steps: both halves queued on the GPU before the "
-        "last step is read, handing off through CUDA IPC buffers (needs CUDA graphs; "
-        "docs/device-cycle.md; default: off)",
-    )
-    p.add_argument(
-        "--transposed-weights",
-        action=argparse.BooleanOptionalAction,
-        default=(  # unset: None, on for CUDA devices
-            env("TANDEM_TARGET_TRANSPOSED_WEIGHTS", True)
-            if "TANDEM_TARGET_TRANSPOSED_WEIGHTS" in os.environ
-            else None
-        ),
-        help="store the target's projection weights transposed, the faster GEMM layout for "
-        "decoding on Hopper (default: on for CUDA devices)",
-    )
-    p.add_argument(
-        "--batch-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=env("TANDEM_TARGET_BATCH_INVARIANT", False),
-        help="batch-invariant kernels (CUDA): a token's logits do not depend on its batch, so "
-        "greedy speculation equals target-only decoding in bf16 too; slower at large batches "
-        "and in prefill (default: off)",
-    )
-    p.add_argument("--reflection", action="store_true")
-    p.add_argument("--grace", type=float, default=float(env("TANDEM_TARGET_GRACE", "10")))
-    p.add_argument("--log-level", default=env("TANDEM_LOG_LEVEL", "INFO"))
-    telemetry.add_metrics_argument(p, env("TANDEM_TARGET_METRICS_PORT", None))
-    security.add_server_tls_arguments(p, "TANDEM_TARGET_")
-    security.add_client_tls_arguments(p, "draft", "TANDEM_TARGET_")
-    return p
+ENV = "TANDEM_TARGET_"
+ENGINE = Flags(
+    EngineConfig,
+    (
+        *("model", "device", "dtype", "page_size", "num_pages", "max_num_seqs", "cuda_graphs"),
+        *("prefill_graph_tokens", "spec_policy", "overlap", "device_chain"),
+        *("transposed_weights", "batch_invariant"),
+    ),
+    env_prefix=ENV,
+)
+DRAFT = Flags(
+    TargetServiceConfig,
+    ("draft_addr", "draft_kind", "draft_deadline_s", "draft_local_stream"),
+    env_prefix=ENV,
+)
+SPEC = Flags(SpecConfig, ("num_steps", "topk", "num_draft_tokens"), env_prefix=ENV)
+SERVICE = Flags(
+    TargetServiceConfig,
+    (
+        *("host", "port", "admission_window_s", "admission_gap_s", "reflection", "grace_s"),
+        *("log_level", "metrics_port"),
+    ),
+    env_prefix=ENV,
+)
 
 
-def _token_counts(raw: str) -> tuple[int, ...]:
-    """``--prefill-graph-tokens``: comma-separated counts, or 'off' (EngineConfig checks that
-    they increase from 1)."""
-    if raw.strip().lower() in ("off", "none", ""):
-        return ()
-    try:
-        return tuple(int(part) for part in raw.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{raw!r}: expected counts like 16,32,64 or 'off'"
-        ) from None
+def build_parser() -> SettingsParser:
+    """Every flag of ``python -m target_service`` with its TANDEM_TARGET_* default (a bad
+    variable raises ValueError naming it)."""
+    return settings.build_parser(
+        "python -m target_service",
+        __doc__,
+        ENGINE,
+        DRAFT,
+        SPEC,
+        SERVICE,
+        security.server_tls_flags(ENV),
+        security.client_tls_flags("draft", ENV),
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> TargetServiceConfig:
     """Flags (and their environment defaults) -> a validated config; exits with usage on an
     invalid value, naming the field (unreadable or mismatched TLS files included)."""
     p = build_parser()
-    a = p.parse_args(argv)
-    if a.target is None:
-        p.error("--target (or TANDEM_TARGET_TARGET) is required")
-    rpc.configure_logging(a.log_level)
+    a = p.parse(argv)
     try:
+        rpc.configure_logging(a.log_level)  # first: building the config may warn
         return _config(a)
     except ValueError as exc:
         p.error(str(exc))
 
 
 def _config(a: argparse.Namespace) -> TargetServiceConfig:
-    spec = None
-    if a.draft_addr:
-        tokens = None if a.spec_tokens is None else int(a.spec_tokens)
-        spec = SpecConfig(num_steps=a.spec_steps, topk=a.spec_topk, num_draft_tokens=tokens)
+    values = vars(a)
+    spec = SpecConfig(**SPEC.pick(values)) if a.draft_addr else None
     simulated = rpc.env_default(simulate.ENV_VAR, None)
     accept_length = None
     if simulated is not None:
@@ -203,36 +114,12 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
             accept_length,
         )
     return TargetServiceConfig(
-        engine=EngineConfig(
-            model=Path(a.target),
-            page_size=a.page_size,
-            num_pages=None if a.num_pages is None else int(a.num_pages),
-            max_num_seqs=a.max_num_seqs,
-            device=a.device,
-            dtype=a.dtype,
-            cuda_graphs=a.cuda_graphs,
-            prefill_graph_tokens=a.prefill_graph_tokens,
-            simulate_accept_length=accept_length,
-            spec_policy=a.spec_policy,
-            overlap=a.overlap,
-            device_chain=a.device_chain,
-            transposed_weights=a.transposed_weights,
-            batch_invariant=a.batch_invariant,
-        ),
-        host=a.host,
-        port=a.port,
-        draft_addr=a.draft_addr or None,
-        draft_kind=a.draft_kind,
+        engine=EngineConfig(**ENGINE.pick(values), simulate_accept_length=accept_length),
         spec=spec,
-        draft_deadline_s=a.draft_deadline,
-        draft_local_stream=a.draft_local_stream,
-        admission_window_s=a.admission_window,
-        admission_gap_s=a.admission_gap,
-        reflection=a.reflection,
-        grace_s=a.grace,
         tls=security.server_tls_from_args(a),
         draft_tls=security.client_tls_from_args(a, "draft"),
-        metrics_port=a.metrics_port,
+        **{**DRAFT.pick(values), "draft_addr": a.draft_addr or None},
+        **SERVICE.pick(values),
     )
 
 
@@ -349,4 +236,8 @@ def get_info(
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse_args()))
+    try:
+        _config_from_argv = parse_args()
+    except ValueError as exc:  # a bad TANDEM_TARGET_* value
+        sys.exit(f"error: {exc}")
+    asyncio.run(main(_config_from_argv))

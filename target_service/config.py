@@ -1,38 +1,64 @@
-"""Target service configuration (flags and ``TANDEM_TARGET_*`` environment variables)."""
+"""Target service configuration: each setting's help, flag and ``TANDEM_TARGET_*`` variable
+(tandem.settings; ``python -m target_service --help`` lists them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.config import EngineConfig
+from tandem.config import DRAFT_KIND, EngineConfig
 from tandem.serving.security import ClientTLS, ServerTLS
-from tandem.serving.telemetry import check_metrics_port
+from tandem.serving.telemetry import METRICS_PORT, check_metrics_port
+from tandem.settings import DRAFT_DEADLINE, GRACE, HOST, LOG_LEVEL, PORT, REFLECTION, setting
 from tandem.spec.types import DRAFT_KINDS, SpecConfig
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TargetServiceConfig:
     engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 = any free port (logged)
-    draft_addr: str | None = None  # HOST:PORT of the draft service; None = no speculation
-    draft_kind: str | None = None  # reported to clients; the draft service decides
+    host: str = setting("127.0.0.1", like=HOST)
+    port: int = setting(0, like=PORT)
+    draft_addr: str | None = setting(  # None: no speculation
+        None, help="HOST:PORT of the draft service; without it, no speculation", env="DRAFT_ADDR"
+    )
+    # Reported to clients; the draft service decides what runs.
+    draft_kind: str | None = setting(None, like=DRAFT_KIND, env="DRAFT_KIND")
     spec: SpecConfig | None = None  # S, K, N when a draft is configured
-    draft_deadline_s: float = 0.5  # a step's trees must arrive within this, else K=0 that step
-    draft_local_stream: bool = True  # use the draft's local socket when it reports one (no TLS)
+    # A step's trees must arrive within this, else K=0 that step.
+    draft_deadline_s: float = setting(0.5, like=DRAFT_DEADLINE)
+    draft_local_stream: bool = setting(  # the draft's local socket when it reports one (no TLS)
+        True,
+        help="when the draft reports a local socket this host can open, run the Speculate "
+        "stream there instead of over gRPC (never with draft TLS)",
+        env="DRAFT_LOCAL_STREAM",
+    )
     status_interval_s: float = 0.25  # TargetStatus to the gateway at most this often
     # An idle engine's first admit waits up to this long for the rest of its burst (stopping
     # once none came for admission_gap_s, or once the waiting requests fill a step), so
     # prompts arriving together prefill together.
-    admission_window_s: float = 0.05
-    admission_gap_s: float = 0.002
-    reflection: bool = False
-    grace_s: float = 10.0  # SIGTERM: drain this long before exiting
+    admission_window_s: float = setting(
+        0.05,
+        help="seconds an idle target waits at most after a first request for the rest of its "
+        "burst, so they prefill together (stops sooner once none came for --admission-gap, or "
+        "once the waiting requests fill a step; 0: off)",
+        env="ADMISSION_WINDOW",
+        flag="admission-window",
+    )
+    admission_gap_s: float = setting(
+        0.002,
+        help="seconds without a new request that end an idle target's wait for a burst",
+        env="ADMISSION_GAP",
+        flag="admission-gap",
+    )
+    reflection: bool = setting(False, like=REFLECTION)
+    grace_s: float = setting(10.0, like=GRACE)  # SIGTERM: drain this long before exiting
     max_message_bytes: int = 64 << 20
     tls: ServerTLS | None = None  # TLS (mTLS with require_client_cert) on the port; None = plain
     draft_tls: ClientTLS | None = None  # TLS (mTLS with cert/key) to the draft; None = plain
-    metrics_port: int | None = None  # Prometheus /metrics on this port; None = none
+    metrics_port: int | None = setting(None, like=METRICS_PORT)  # None: no /metrics
+    log_level: str = setting("INFO", like=LOG_LEVEL, env="TANDEM_LOG_LEVEL")
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
@@ -52,6 +78,8 @@ class TargetServiceConfig:
             raise ValueError("grace_s: must be >= 0")
         if self.draft_tls is not None and self.draft_addr is None:
             raise ValueError("draft_tls: TLS settings for a draft, but no draft_addr")
+        if self.log_level.upper() not in _LOG_LEVELS:
+            raise ValueError(f"log_level: {self.log_level!r} is not one of {_LOG_LEVELS}")
 
     @property
     def model_dir(self) -> Path:

@@ -1,6 +1,8 @@
-"""The ``tandem`` command: common jobs over the engine and (later) the services.
+"""The ``tandem`` command: common jobs over the engine and the services.
 
-``tandem generate`` runs in-process for now; its flags and JSON lines are a stable contract.
+``tandem generate``'s flags and JSON lines are a stable contract. The flags that set an engine,
+a draft or speculation are generated from those configs' settings (``tandem.settings``), so they
+read as the services' flags do; the rest are this command's own.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,7 +18,34 @@ import typer
 
 from tandem.apps.embedded import defaults as embedded_defaults
 from tandem.bench.cli import bench
+from tandem.config import EngineConfig
+from tandem.draft.build import DraftConfig
+from tandem.settings import DRAFT_DEADLINE, LOG_LEVEL, TWO_LANE_BATCH, Flags, Option, typer_options
+from tandem.spec.types import SpecConfig
 from tandem.train.cli import train_draft
+
+# The variables the tandem command reads (the services' are TANDEM_<SERVICE>_*).
+TANDEM_ENV = {"model": "TANDEM_TARGET", "dtype": "TANDEM_DTYPE", "device": "TANDEM_DEVICE"}
+EMBEDDED = {"model": "the embedded model"}
+
+
+def engine_flags(*names: str, env: tuple[str, ...] = ("model", "dtype", "device")) -> Flags:
+    """The engine's settings ``names``, ``--target`` defaulting to the embedded model."""
+    own_env = {name: TANDEM_ENV[name] for name in env}
+    return Flags(
+        EngineConfig, names, title="Target", defaults={"model": None}, shown=EMBEDDED, env=own_env
+    )
+
+
+DRAFT = Flags(
+    DraftConfig,
+    ("path", "kind", "mtp_mode"),
+    title="Draft",
+    defaults={"kind": None},
+    shown={"kind": "eagle3 with a --draft"},
+)
+SPEC = Flags(SpecConfig, ("num_steps", "topk", "num_draft_tokens"), title="Speculation")
+MAX_NEW_TOKENS = "Generated tokens per prompt, at most."
 
 app = typer.Typer(
     help="Tandem: speculative decoding with draft and target as cooperating services.",
@@ -27,13 +57,10 @@ app.command("bench")(bench)
 
 
 @app.callback()
-def main(
-    log_level: Annotated[
-        str, typer.Option(envvar="TANDEM_LOG_LEVEL", help="Python logging level.")
-    ] = "WARNING",
-) -> None:
+@typer_options(Option.of(LOG_LEVEL, "log_level", str, "WARNING", env="TANDEM_LOG_LEVEL"))
+def main(**settings: Any) -> None:
     logging.basicConfig(
-        level=log_level.upper(),
+        level=settings["log_level"].upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
@@ -59,22 +86,20 @@ def read_prompts(args: list[str]) -> list[str]:
     return prompts
 
 
+GENERATE_TARGET = engine_flags(
+    *("model", "page_size", "dtype", "device", "max_num_seqs", "max_num_batched_tokens"),
+    *("num_pages", "cuda_graphs", "spec_policy", "overlap", "device_chain", "batch_invariant"),
+)
+GENERATE_DRAFT = replace(DRAFT, env={"path": "TANDEM_DRAFT"})
+
+
 @app.command()
+@typer_options(GENERATE_TARGET, GENERATE_DRAFT, SPEC)
 def generate(
     prompts: Annotated[
         list[str], typer.Argument(help="Prompt texts; @FILE reads a JSON list of prompts.")
     ],
-    target: Annotated[
-        Path | None,
-        typer.Option(
-            envvar="TANDEM_TARGET",
-            help="Target checkpoint directory (HF format); default: the embedded model.",
-        ),
-    ] = None,
-    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 16,
-    max_new_tokens: Annotated[
-        int, typer.Option(help="Generated tokens per prompt, at most.")
-    ] = 128,
+    max_new_tokens: Annotated[int, typer.Option(help=MAX_NEW_TOKENS)] = 128,
     temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
@@ -84,66 +109,6 @@ def generate(
         int | None, typer.Option(help="Seed of prompt 0's random stream; prompt i uses seed+i.")
     ] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating past EOS.")] = False,
-    dtype: Annotated[
-        str, typer.Option(envvar="TANDEM_DTYPE", help="float32, bfloat16 or float16.")
-    ] = "float32",
-    device: Annotated[str, typer.Option(envvar="TANDEM_DEVICE", help="cpu or cuda[:N].")] = "cpu",
-    max_num_seqs: Annotated[int, typer.Option(help="Requests batched at once.")] = 64,
-    max_num_batched_tokens: Annotated[
-        int, typer.Option(help="Tokens per forward; longer prompts are prefilled in chunks.")
-    ] = 2048,
-    num_pages: Annotated[int | None, typer.Option(help="KV pool size in pages.")] = None,
-    cuda_graphs: Annotated[
-        bool | None,
-        typer.Option(
-            "--cuda-graphs/--no-cuda-graphs",
-            help="Decode/verify and draft steps through CUDA graphs (default: on for CUDA).",
-        ),
-    ] = None,
-    draft: Annotated[
-        Path | None,
-        typer.Option(envvar="TANDEM_DRAFT", help="Draft checkpoint directory (speculation on)."),
-    ] = None,
-    spec_policy: Annotated[
-        str,
-        typer.Option(
-            help="fixed: speculate every step; adaptive: per batch size, only while it beats "
-            "K=0 decoding."
-        ),
-    ] = "fixed",
-    overlap: Annotated[
-        bool,
-        typer.Option(
-            help="Plain greedy decode steps launch the next step before the last is read."
-        ),
-    ] = True,
-    device_chain: Annotated[
-        bool,
-        typer.Option(
-            help="Steady greedy chain speculation launches each step before the last is "
-            "read, its inputs written on the GPU (needs CUDA graphs and a one-module draft)."
-        ),
-    ] = False,
-    batch_invariant: Annotated[
-        bool,
-        typer.Option(
-            help="Batch-invariant target kernels (CUDA): a token's logits do not depend on "
-            "its batch, so greedy speculation equals target-only in bf16 too (slower at large "
-            "batches and in prefill)."
-        ),
-    ] = False,
-    draft_kind: Annotated[
-        str | None,
-        typer.Option(help="eagle3, eagle, mtp, model or ngram (ngram needs no --draft)."),
-    ] = None,
-    mtp_mode: Annotated[
-        str, typer.Option(help="MTP heads fed the previous head's hidden (chain) or the target's.")
-    ] = "chain",
-    spec_steps: Annotated[int, typer.Option(help="S: draft steps per cycle.")] = 3,
-    spec_topk: Annotated[int, typer.Option(help="K: candidates per draft step (1 = chain).")] = 1,
-    spec_tokens: Annotated[
-        int | None, typer.Option(help="N: tree nodes incl. the verified token (default S+1).")
-    ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="One JSON object per prompt, one per line.")
     ] = False,
@@ -151,19 +116,20 @@ def generate(
         str | None,
         typer.Option(envvar="TANDEM_SERVER", help="HOST:PORT of a gateway: generate through it."),
     ] = None,
+    **settings: Any,
 ) -> None:
     """Generate text for PROMPTs, in-process or through a running gateway (--server)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from tandem.config import EngineConfig
-    from tandem.draft.build import DraftConfig, build_drafter
+    from tandem.draft.build import build_drafter
     from tandem.errors import CheckpointError, TandemError
     from tandem.models.tokenizer import load_tokenizer
     from tandem.sampling import SamplingParams
-    from tandem.spec.types import SpecConfig
     from tandem.target.engine import Engine
 
+    engine_settings = GENERATE_TARGET.pick(settings)
+    drafting = GENERATE_DRAFT.pick(settings)
     texts = read_prompts(prompts)
     if server is not None:
         from tandem.apps.client import generate_remote
@@ -184,7 +150,9 @@ def generate(
         return
     err = Console(stderr=True)
     try:
-        target, draft, draft_kind, embedded = embedded_defaults(target, draft, draft_kind)
+        target, draft, draft_kind, embedded = embedded_defaults(
+            engine_settings.pop("model"), drafting["path"], drafting["kind"]
+        )
         if embedded:
             err.print(f"using the embedded reference model ({target.parent}, {draft_kind} draft)")
         if not (target / "config.json").is_file():
@@ -203,36 +171,23 @@ def generate(
             )
             for i in range(len(texts))
         ]
-        config = EngineConfig(
-            model=target,
-            dtype=dtype,
-            device=device,
-            page_size=page_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            num_pages=num_pages,
-            cuda_graphs=cuda_graphs,
-            spec_policy=spec_policy,
-            overlap=overlap,
-            device_chain=device_chain,
-            batch_invariant=batch_invariant,
-        )
+        config = EngineConfig(model=target, **engine_settings)
         drafter = spec = None
         if draft is not None or draft_kind is not None:
-            spec = SpecConfig(num_steps=spec_steps, topk=spec_topk, num_draft_tokens=spec_tokens)
+            spec = SpecConfig(**SPEC.pick(settings))
         with err.status(f"loading {target}"):
             from tandem.transfer import bind_thread
 
-            bind_thread(device)  # this thread runs the models
+            bind_thread(config.device)  # this thread runs the models
             if spec is not None:
                 draft_config = DraftConfig(
                     kind=draft_kind or "eagle3",
                     path=draft,
                     target=target,
-                    mtp_mode=mtp_mode,
-                    dtype=dtype,
-                    device=device,
-                    page_size=page_size,
+                    mtp_mode=drafting["mtp_mode"],
+                    dtype=config.dtype,
+                    device=config.device,
+                    page_size=config.page_size,
                 )
                 layers = _num_layers(target)
                 drafter = build_drafter(draft_config, layers)
@@ -293,41 +248,21 @@ def _num_layers(target: Path) -> int:
 
 
 @app.command()
+@typer_options(
+    engine_flags("model", "page_size", "device", "dtype"),
+    DRAFT,
+    SPEC,
+    Option.of(DRAFT_DEADLINE, "draft_deadline_s", float, 1.0),
+    Option.of(TWO_LANE_BATCH, "two_lane_batch", int, 16),
+)
 def serve(
-    target: Annotated[
-        Path | None,
-        typer.Option(
-            envvar="TANDEM_TARGET",
-            help="Target checkpoint directory (HF format); default: the embedded model.",
-        ),
-    ] = None,
-    draft: Annotated[Path | None, typer.Option(help="Draft checkpoint directory.")] = None,
-    draft_kind: Annotated[
-        str | None, typer.Option(help="eagle3, eagle, mtp, model or ngram.")
-    ] = None,
-    mtp_mode: Annotated[str, typer.Option(help="chain or target (mtp only).")] = "chain",
-    spec_steps: Annotated[int, typer.Option(help="S: draft steps per cycle.")] = 3,
-    spec_topk: Annotated[int, typer.Option(help="K: candidates per draft step.")] = 1,
-    spec_tokens: Annotated[int | None, typer.Option(help="N: tree nodes (default S+1).")] = None,
-    draft_deadline: Annotated[
-        float, typer.Option(help="Seconds a step waits for its trees before decoding without.")
-    ] = 1.0,
-    two_lane_batch: Annotated[
-        int,
-        typer.Option(
-            help="Running requests from which the gateway splits them into two lanes (the "
-            "draft drafts one while the target verifies the other); 0 = always one lane."
-        ),
-    ] = 16,
-    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 16,
     gateway_port: Annotated[int, typer.Option(help="Public gRPC port.")] = 50051,
     target_port: Annotated[int, typer.Option(help="Target service port.")] = 50052,
     draft_port: Annotated[int, typer.Option(help="Draft service port.")] = 50053,
-    device: Annotated[str, typer.Option(envvar="TANDEM_DEVICE", help="cpu or cuda[:N].")] = "cpu",
-    dtype: Annotated[str, typer.Option(envvar="TANDEM_DTYPE", help="Model dtype.")] = "float32",
     log_dir: Annotated[
         Path | None, typer.Option(help="Write each service's log here instead of the terminal.")
     ] = None,
+    **settings: Any,
 ) -> None:
     """Start draft, target and gateway as three local processes; Ctrl-C stops all three."""
     import signal as signals
@@ -338,29 +273,29 @@ def serve(
     from tandem.apps.launch import build_stack
     from tandem.errors import CheckpointError
 
+    drafting = DRAFT.pick(settings)
     try:
-        target, draft, draft_kind, embedded = embedded_defaults(target, draft, draft_kind)
+        target, draft, draft_kind, embedded = embedded_defaults(
+            settings["target"], drafting["path"], drafting["kind"]
+        )
     except CheckpointError as exc:
         raise typer.BadParameter(str(exc), param_hint="--target") from None
     if embedded:
         Console(stderr=True).print(f"serving the embedded reference model ({target.parent})")
-    spec_args = ["--spec-steps", str(spec_steps), "--spec-topk", str(spec_topk)]
-    if spec_tokens is not None:
-        spec_args += ["--spec-tokens", str(spec_tokens)]
     stack = build_stack(
         target=target,
         draft=draft,
         draft_kind=draft_kind,
-        mtp_mode=mtp_mode,
-        spec_args=spec_args,
-        page_size=page_size,
-        device=device,
-        dtype=dtype,
+        mtp_mode=drafting["mtp_mode"],
+        spec_args=SPEC.argv(SPEC.pick(settings)),
+        page_size=settings["page_size"],
+        device=settings["device"],
+        dtype=settings["dtype"],
         gateway_port=gateway_port,
         target_port=target_port,
         draft_port=draft_port,
-        draft_deadline_s=draft_deadline,
-        two_lane_batch=two_lane_batch,
+        draft_deadline_s=settings["draft_deadline"],
+        two_lane_batch=settings["two_lane_batch"],
     )
     err = Console(stderr=True)
     stopping = False
@@ -393,34 +328,33 @@ def serve(
             stack.stop()
 
 
+DEMO_SPEC = Flags(SpecConfig, ("num_steps",), title="Speculation")
+
+
 @app.command()
+@typer_options(
+    engine_flags("model", "device", env=("model", "device")),
+    replace(DRAFT, names=("path", "kind")),
+    DEMO_SPEC,
+)
 def demo(
-    target: Annotated[
-        Path | None,
-        typer.Option(
-            envvar="TANDEM_TARGET", help="Target checkpoint (default: the embedded model)."
-        ),
-    ] = None,
-    draft: Annotated[Path | None, typer.Option(help="Draft checkpoint directory.")] = None,
-    draft_kind: Annotated[str | None, typer.Option(help="Draft kind (default eagle3).")] = None,
-    spec_steps: Annotated[int, typer.Option(help="S: draft steps per cycle.")] = 3,
     prompt: Annotated[str, typer.Option(help="The prompt to stream a completion for.")] = "",
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
-    device: Annotated[str, typer.Option(envvar="TANDEM_DEVICE", help="cpu or cuda[:N].")] = "cpu",
+    max_new_tokens: Annotated[int, typer.Option(help=MAX_NEW_TOKENS)] = 64,
     work_dir: Annotated[Path, typer.Option(help="Demo checkpoints and service logs.")] = Path(
         "out/demo"
     ),
+    **settings: Any,
 ) -> None:
     """Start the three services, stream one generation, print speculation statistics."""
     from tandem.apps.demo import run_demo
 
     run_demo(
-        target=target,
-        draft=draft,
-        draft_kind=draft_kind,
-        spec_args=["--spec-steps", str(spec_steps)],
+        target=settings["target"],
+        draft=settings["draft"],
+        draft_kind=settings["draft_kind"],
+        spec_args=DEMO_SPEC.argv(DEMO_SPEC.pick(settings)),
         prompt=prompt or "def fibonacci(n):",
         max_new_tokens=max_new_tokens,
         work_dir=work_dir,
-        device=device,
+        device=settings["device"],
     )

@@ -11,11 +11,15 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from tandem.bench.presets import PRESETS
+from tandem.config import EngineConfig
+from tandem.draft.build import DraftConfig
+from tandem.settings import TWO_LANE_BATCH, Flags, Option, typer_options
+from tandem.spec.types import SpecConfig
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -31,15 +35,27 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
         raise typer.BadParameter(message, param_hint=name) from None
 
 
+# The settings of every target and draft the benchmark runs (in process and as services).
+TARGET = Flags(
+    EngineConfig,
+    (
+        *("model", "device", "dtype", "page_size", "spec_policy", "batch_invariant"),
+        "simulate_accept_length",
+    ),
+    title="Target",
+    defaults={"model": None, "dtype": None},
+    shown={"model": "a --preset's", "dtype": "the preset's"},
+)
+DRAFT = Flags(DraftConfig, ("path",), title="Draft")
+SPEC = Flags(SpecConfig, ("num_steps",), title="Speculation")
+
+
+@typer_options(TARGET, DRAFT, SPEC, Option.of(TWO_LANE_BATCH, "two_lane_batch", int, 16))
 def bench(
     preset: Annotated[
         str | None,
         typer.Option(help=f"Random-weight checkpoints to write and use: {', '.join(PRESETS)}."),
     ] = None,
-    target: Annotated[
-        Path | None, typer.Option(help="Target checkpoint (instead of a preset).")
-    ] = None,
-    draft: Annotated[Path | None, typer.Option(help="EAGLE-3 head for --target.")] = None,
     assistant: Annotated[
         Path | None,
         typer.Option(help="Standalone LM with the target's tokenizer (transformers' assisted)."),
@@ -64,33 +80,10 @@ def bench(
         int, typer.Option(help="Tokens of a warm-up round before each measurement (0: none).")
     ] = 16,
     rounds: Annotated[int, typer.Option(help="Measured rounds per mode and batch size.")] = 1,
-    spec_steps: Annotated[int, typer.Option(help="S: draft steps per cycle (a chain).")] = 3,
-    simulate_accept_length: Annotated[
-        float | None,
-        typer.Option(
-            help="PERF ONLY: force this mean accept length (drafts accepted unchecked; the "
-            "output is not the target's). For random-weight models."
-        ),
-    ] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
     draft_device: Annotated[
         str | None,
         typer.Option(help="The draft service's device, e.g. cuda:1 (default: --device)."),
     ] = None,
-    dtype: Annotated[
-        str | None, typer.Option(help="float32, bfloat16, float16 (default: the preset's).")
-    ] = None,
-    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 16,
-    spec_policy: Annotated[
-        str,
-        typer.Option(
-            help="fixed, adaptive (per batch size, speculate only while it beats K=0) or k0; "
-            "for the spec and services rows."
-        ),
-    ] = "fixed",
-    two_lane_batch: Annotated[
-        int, typer.Option(help="Gateway: two lanes from this many running requests (0: never).")
-    ] = 16,
     log_dir: Annotated[Path | None, typer.Option(help="Keep the services' logs here.")] = None,
     profile_idle: Annotated[
         bool,
@@ -106,22 +99,19 @@ def bench(
             "the prefill and two more; later to measure only steady decoding)."
         ),
     ] = None,
-    batch_invariant: Annotated[
-        bool,
-        typer.Option(
-            help="Every target (in process and the target service) runs its batch-invariant "
-            "kernels (EngineConfig.batch_invariant; CUDA): what bit-equal bf16 greedy costs."
-        ),
-    ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object (the table goes to stderr).")
     ] = False,
     plot: Annotated[
         Path | None, typer.Option(help="Write throughput.png and acceptance.png here.")
     ] = None,
+    **settings: Any,
 ) -> None:
     """Latency and throughput: target-only, speculation in process and through the services,
-    transformers' generate and assisted generation, with the speed-of-light ratio."""
+    transformers' generate and assisted generation, with the speed-of-light ratio.
+
+    The Target settings apply to every target (in process and the target service); --draft is
+    an EAGLE-3 head for --target."""
     from rich.console import Console
 
     from tandem.bench import report
@@ -129,6 +119,13 @@ def bench(
     from tandem.bench.run import BenchConfig, run_bench
 
     err = Console(stderr=True)
+    engine = TARGET.pick(settings)
+    target, draft, dtype, device = (
+        engine["model"],
+        settings["draft"],
+        engine["dtype"],
+        engine["device"],
+    )
     if target is None:
         name = preset or "tiny"
         if name not in PRESETS:
@@ -153,24 +150,24 @@ def bench(
                 warmup_tokens=warmup_tokens,
                 rounds=rounds,
             ),
-            spec_steps=spec_steps,
-            simulate_accept_length=simulate_accept_length,
+            spec_steps=settings["spec_steps"],
+            simulate_accept_length=engine["simulate_accept_length"],
             device=device,
             dtype=dtype or "float32",
-            page_size=page_size,
-            two_lane_batch=two_lane_batch,
-            spec_policy=spec_policy,
+            page_size=engine["page_size"],
+            two_lane_batch=settings["two_lane_batch"],
+            spec_policy=engine["spec_policy"],
             log_dir=log_dir,
             draft_device=draft_device,
             profile_idle=profile_idle,
             profile_start=profile_start,
-            batch_invariant=batch_invariant,
+            batch_invariant=engine["batch_invariant"],
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    if simulate_accept_length is not None:
+    if config.simulate_accept_length is not None:
         err.print(
-            f"[yellow]simulated acceptance {simulate_accept_length}: perf only, "
+            f"[yellow]simulated acceptance {config.simulate_accept_length}: perf only, "
             "the output is not the target's[/yellow]"
         )
     started = time.monotonic()

@@ -9,12 +9,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.config import DTYPES, on_for_cuda
+from tandem.config import (
+    CUDA_GRAPHS,
+    DEVICE,
+    DRAFT_KIND,
+    DTYPE,
+    DTYPES,
+    NUM_PAGES,
+    PAGE_SIZE,
+    TARGET,
+    TRANSPOSED_WEIGHTS,
+    on_for_cuda,
+)
 from tandem.draft.drafter import ModelDrafter
 from tandem.draft.ngram import NgramDrafter
 from tandem.kv import KVCache, KVCacheSpec
 from tandem.models.decoder import transpose_weights
 from tandem.models.draft import DraftModule
+from tandem.settings import setting
 from tandem.spec.base import Drafter
 from tandem.spec.types import DRAFT_KINDS, MTP_MODES
 
@@ -28,17 +40,24 @@ logger = logging.getLogger(__name__)
 class DraftConfig:
     """Where the draft comes from and how its KV pool is sized."""
 
-    kind: str  # one of DRAFT_KINDS
-    path: Path | None = None  # draft checkpoint directory; None only for ngram
-    target: Path  # the target checkpoint (EAGLE/MTP read its embedding and lm_head)
-    mtp_mode: str = "chain"  # chain | target (mtp only)
-    dtype: str = "float32"
-    device: str = "cpu"
-    page_size: int = 16
-    num_pages: int = 2048  # per draft module
+    kind: str = setting(like=DRAFT_KIND)
+    path: Path | None = setting(  # None only for ngram
+        None, help="draft checkpoint directory (every kind but ngram)", env="PATH", flag="draft"
+    )
+    target: Path = setting(like=TARGET)  # EAGLE/MTP read its embedding and lm_head
+    mtp_mode: str = setting(
+        "chain",
+        help="MTP heads fed the previous head's hidden (chain) or the target's (target)",
+        env="MTP_MODE",
+        choices=MTP_MODES,
+    )
+    dtype: str = setting("float32", like=DTYPE)
+    device: str = setting("cpu", like=DEVICE)
+    page_size: int = setting(16, like=PAGE_SIZE)
+    num_pages: int = setting(2048, like=NUM_PAGES)  # per draft module
     fast_top1: bool = True  # K=1: fused argmax + logsumexp instead of softmax + topk
     # Chains and extends through CUDA graphs (tandem/draft/graphs.py); None = on for CUDA.
-    cuda_graphs: bool | None = None
+    cuda_graphs: bool | None = setting(None, like=CUDA_GRAPHS)
     # The target's default buckets (EngineConfig): a device-chain run needs its bucket on both.
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     cuda_graph_steps: tuple[int, ...] = (3,)  # S captured at load; any other S on first use
@@ -47,7 +66,7 @@ class DraftConfig:
     static_buckets: bool = False
     # Projection weights stored transposed (tandem.models.decoder.transpose_weights), as the
     # target's: cuBLAS's faster layout and the skinny kernel at decode sizes; None = on for CUDA.
-    transposed_weights: bool | None = None
+    transposed_weights: bool | None = setting(None, like=TRANSPOSED_WEIGHTS)
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:

@@ -6,45 +6,56 @@
 
 Exit status 0 when the service answers SERVING, 1 otherwise (NOT_SERVING, unknown service,
 unreachable, timeout, bad flags); exactly one line on stdout says which. Every flag has a
-``TANDEM_PROBE_*`` environment default, so a container that turns TLS on sets them once and
-its health-check command stays the same. Health needs no bearer token (``tandem.serving.security``).
+``TANDEM_PROBE_*`` environment default (named in ``--help``), so a container that turns TLS on
+sets them once and its health-check command stays the same. Health needs no bearer token
+(``tandem.serving.security``).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem import settings
 from tandem.serving import security
-from tandem.serving.rpc import channel_options, env_default
+from tandem.serving.rpc import channel_options
+from tandem.settings import Flags, SettingsParser, setting
 
 _PROBE_MESSAGE_BYTES = 1 << 20  # a health reply is a few bytes
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m tandem.serving.health_probe", description="One gRPC health check."
+@dataclass(frozen=True, kw_only=True)
+class ProbeConfig:
+    """What to check; TLS is a ``security.ClientTLS`` (its flags without a peer's prefix)."""
+
+    address: str = setting(help="HOST:PORT of the server to check", env="ADDRESS")
+    service: str = setting(
+        "", help="service name to check; empty = the server as a whole", env="SERVICE"
     )
-    address = env_default("TANDEM_PROBE_ADDRESS", None)
-    p.add_argument("--address", default=address, required=address is None, help="HOST:PORT")
-    p.add_argument(
-        "--service",
-        default=env_default("TANDEM_PROBE_SERVICE", ""),
-        help="service name to check; empty = the server as a whole",
+    timeout_s: float = setting(
+        2.0, help="seconds to wait for the answer", env="TIMEOUT", flag="timeout"
     )
-    p.add_argument(
-        "--timeout", type=float, default=env_default("TANDEM_PROBE_TIMEOUT", 2.0), help="seconds"
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise ValueError("address: must not be empty")
+
+
+ENV = "TANDEM_PROBE_"
+PROBE = Flags(ProbeConfig, ("address", "service", "timeout_s"), env_prefix=ENV)
+TLS = Flags(security.ClientTLS, ("ca", "cert", "key", "server_name"), env_prefix=ENV)
+
+
+def build_parser() -> SettingsParser:
+    """The probe's flags with their TANDEM_PROBE_* defaults (a bad variable raises ValueError
+    naming it)."""
+    return settings.build_parser(
+        "python -m tandem.serving.health_probe", "One gRPC health check.", PROBE, TLS
     )
-    p.add_argument("--tls-ca", type=Path, default=env_default("TANDEM_PROBE_TLS_CA", None))
-    p.add_argument("--tls-cert", type=Path, default=env_default("TANDEM_PROBE_TLS_CERT", None))
-    p.add_argument("--tls-key", type=Path, default=env_default("TANDEM_PROBE_TLS_KEY", None))
-    p.add_argument("--tls-server-name", default=env_default("TANDEM_PROBE_TLS_SERVER_NAME", None))
-    return p
 
 
 def check(
@@ -77,23 +88,19 @@ def check(
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse(argv)
     except SystemExit as exc:  # --help is 0; any usage error is unhealthy, never Docker's 2
         return 0 if exc.code in (0, None) else 1
     except ValueError as exc:  # a bad TANDEM_PROBE_* value
         print(f"ERROR {exc}", flush=True)
         return 1
     try:
+        probe = ProbeConfig(**PROBE.pick(vars(args)))
         tls = None
         if args.tls_ca is not None or args.tls_cert is not None or args.tls_key is not None:
-            tls = security.ClientTLS(
-                ca=args.tls_ca,
-                cert=args.tls_cert,
-                key=args.tls_key,
-                server_name=args.tls_server_name,
-            )
+            tls = security.ClientTLS(**TLS.pick(vars(args)))
         serving, verdict = check(
-            args.address, service=args.service, timeout_s=args.timeout, tls=tls
+            probe.address, service=probe.service, timeout_s=probe.timeout_s, tls=tls
         )
     except ValueError as exc:
         serving, verdict = False, f"ERROR {exc}"

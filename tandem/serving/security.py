@@ -30,9 +30,9 @@ reveals is SERVING or not. :func:`open_channel` sends a token only over TLS or t
 address (without TLS it uses gRPC's local credentials, which refuse any other peer), never in
 clear text across a network; :func:`token_metadata` leaves that choice to its caller.
 
-Flags: :func:`add_server_tls_arguments` / :func:`add_client_tls_arguments` give every service
-the same TLS flags with ``TANDEM_<SERVICE>_*`` environment defaults, and the matching
-``*_from_args`` build the dataclasses.
+Flags: the dataclasses' fields are settings (``tandem.settings``); :func:`server_tls_flags` /
+:func:`client_tls_flags` give every service the same TLS flags with ``TANDEM_<SERVICE>_*``
+environment defaults, and the matching ``*_from_args`` build the dataclasses.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from typing import Any
 
 import grpc
 
-from tandem.serving.rpc import channel_options, env_default
+from tandem.serving.rpc import channel_options
+from tandem.settings import Flags, setting
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +106,23 @@ def _check_ca(field: str, path: Path) -> None:
 class ServerTLS:
     """What a server presents, and (mTLS) which CA its clients' certificates must chain to."""
 
-    cert: Path  # PEM certificate chain, leaf first
-    key: Path  # its PEM private key, unencrypted
-    client_ca: Path | None = None  # PEM bundle client certificates must chain to (mTLS)
-    require_client_cert: bool = False  # mTLS: refuse clients without a certificate from it
+    cert: Path = setting(  # leaf first
+        help="PEM certificate chain to present; with --tls-key the port speaks TLS",
+        env="TLS_CERT",
+        flag="tls-cert",
+    )
+    key: Path = setting(help="its PEM private key, unencrypted", env="TLS_KEY", flag="tls-key")
+    client_ca: Path | None = setting(
+        None,
+        help="PEM CA bundle client certificates must chain to (with --require-client-cert)",
+        env="TLS_CLIENT_CA",
+        flag="tls-client-ca",
+    )
+    require_client_cert: bool = setting(
+        False,
+        help="mutual TLS: refuse clients without a certificate from --tls-client-ca",
+        env="REQUIRE_CLIENT_CERT",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cert", Path(self.cert))
@@ -133,10 +147,30 @@ class ServerTLS:
 class ClientTLS:
     """How a client verifies its server and (mTLS) which certificate it presents."""
 
-    ca: Path | None = None  # PEM bundle the server's certificate must chain to; None = system
-    cert: Path | None = None  # client certificate chain for mTLS (with key)
-    key: Path | None = None  # its PEM private key, unencrypted
-    server_name: str | None = None  # expected name in the server's certificate, if not the host
+    ca: Path | None = setting(  # None: the system's roots
+        None,
+        help="PEM CA bundle the server's certificate must chain to; turns TLS on",
+        env="TLS_CA",
+        flag="tls-ca",
+    )
+    cert: Path | None = setting(
+        None,
+        help="client certificate to present (mutual TLS; with its key)",
+        env="TLS_CERT",
+        flag="tls-cert",
+    )
+    key: Path | None = setting(
+        None,
+        help="the client certificate's PEM private key, unencrypted",
+        env="TLS_KEY",
+        flag="tls-key",
+    )
+    server_name: str | None = setting(
+        None,
+        help="name expected in the server's certificate when it is not the address's host",
+        env="TLS_SERVER_NAME",
+        flag="tls-server-name",
+    )
 
     def __post_init__(self) -> None:
         for name in ("ca", "cert", "key"):
@@ -303,32 +337,14 @@ def _refusing(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHand
     raise AssertionError(f"a method handler of no known kind: {handler}")
 
 
-# Flags. Each service calls these on its parser; env defaults follow its TANDEM_<SERVICE>_ rule.
+# Flags. Each service lists these on its command line; variables follow its TANDEM_<SERVICE>_ rule.
 
 
-def add_server_tls_arguments(parser: argparse.ArgumentParser, env_prefix: str) -> None:
+def server_tls_flags(env_prefix: str) -> Flags:
     """``--tls-cert``, ``--tls-key``, ``--tls-client-ca``, ``--require-client-cert`` with
     ``<env_prefix>TLS_CERT`` ... ``<env_prefix>REQUIRE_CLIENT_CERT`` defaults."""
-    group = parser.add_argument_group("TLS (server)")
-    group.add_argument(
-        "--tls-cert",
-        type=Path,
-        default=env_default(f"{env_prefix}TLS_CERT", None),
-        help="PEM certificate chain to present; with --tls-key the port speaks TLS",
-    )
-    group.add_argument("--tls-key", type=Path, default=env_default(f"{env_prefix}TLS_KEY", None))
-    group.add_argument(
-        "--tls-client-ca",
-        type=Path,
-        default=env_default(f"{env_prefix}TLS_CLIENT_CA", None),
-        help="PEM CA bundle client certificates must chain to (with --require-client-cert)",
-    )
-    group.add_argument(
-        "--require-client-cert",
-        action=argparse.BooleanOptionalAction,
-        default=env_default(f"{env_prefix}REQUIRE_CLIENT_CERT", False),
-        help="mutual TLS: refuse clients without a certificate from --tls-client-ca",
-    )
+    names = ("cert", "key", "client_ca", "require_client_cert")
+    return Flags(ServerTLS, names, env_prefix=env_prefix, title="TLS (server)", optional=True)
 
 
 def server_tls_from_args(args: argparse.Namespace) -> ServerTLS | None:
@@ -343,28 +359,15 @@ def server_tls_from_args(args: argparse.Namespace) -> ServerTLS | None:
     return ServerTLS(cert=cert, key=key, client_ca=ca, require_client_cert=args.require_client_cert)
 
 
-def add_client_tls_arguments(parser: argparse.ArgumentParser, peer: str, env_prefix: str) -> None:
+def client_tls_flags(peer: str, env_prefix: str) -> Flags:
     """``--<peer>-tls-ca``, ``--<peer>-tls-cert``, ``--<peer>-tls-key``,
     ``--<peer>-tls-server-name`` with ``<env_prefix><PEER>_TLS_*`` defaults."""
-    group = parser.add_argument_group(f"TLS to the {peer} service (client)")
-    env = f"{env_prefix}{peer.upper()}_TLS_"
-    group.add_argument(
-        f"--{peer}-tls-ca",
-        type=Path,
-        default=env_default(f"{env}CA", None),
-        help=f"PEM CA bundle the {peer}'s certificate must chain to; turns TLS on",
-    )
-    group.add_argument(
-        f"--{peer}-tls-cert",
-        type=Path,
-        default=env_default(f"{env}CERT", None),
-        help=f"client certificate to present to the {peer} (mutual TLS)",
-    )
-    group.add_argument(f"--{peer}-tls-key", type=Path, default=env_default(f"{env}KEY", None))
-    group.add_argument(
-        f"--{peer}-tls-server-name",
-        default=env_default(f"{env}SERVER_NAME", None),
-        help=f"name expected in the {peer}'s certificate when it is not the address's host",
+    return Flags(
+        ClientTLS,
+        ("ca", "cert", "key", "server_name"),
+        env_prefix=f"{env_prefix}{peer.upper()}_",
+        flag_prefix=f"{peer}-",
+        title=f"TLS to the {peer} service (client)",
     )
 
 

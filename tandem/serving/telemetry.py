@@ -29,7 +29,6 @@ Without ``setup`` (tests, library use) every tracer and meter here is a no-op.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -52,10 +51,18 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
 )
 
+from tandem.settings import Setting
+
 logger = logging.getLogger(__name__)
 
 _EXPORTERS = ("otlp", "console", "none")
 STEP_TRACE_RATIO_ENV = "TANDEM_STEP_TRACE_RATIO"
+# Every service's metrics_port (checked by check_metrics_port).
+METRICS_PORT = Setting(
+    help="serve Prometheus metrics on http://HOST:PORT/metrics",
+    env="METRICS_PORT",
+    shown_default="no endpoint",
+)
 
 
 @dataclass
@@ -115,16 +122,6 @@ def setup(
     GrpcAioInstrumentorServer(filter_=no_health).instrument(tracer_provider=tracer_provider)
     GrpcAioInstrumentorClient(filter_=no_health).instrument(tracer_provider=tracer_provider)
     return Telemetry(tracer_provider, meter_provider, metrics_port)
-
-
-def add_metrics_argument(parser: argparse.ArgumentParser, default: str | None) -> None:
-    """``--metrics-port``; ``default`` is the service's ``TANDEM_*_METRICS_PORT`` value."""
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=default,
-        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: no endpoint)",
-    )
 
 
 def check_metrics_port(port: int | None) -> None:

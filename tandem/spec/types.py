@@ -10,6 +10,7 @@ from functools import cached_property
 import torch
 
 from tandem.errors import InvalidRequest
+from tandem.settings import setting
 
 # The draft kinds every service knows (docs/design.md, "The speculative cycle"), and the two ways
 # an MTP draft feeds its heads.
@@ -21,9 +22,19 @@ MTP_MODES = ("chain", "target")
 class SpecConfig:
     """S draft steps, top-K per step, N tree nodes (node 0 included). K=1 is a chain, N=S+1."""
 
-    num_steps: int = 3  # S
-    topk: int = 1  # K
-    num_draft_tokens: int | None = None  # N; None = S+1 (the chain's size)
+    num_steps: int = setting(
+        3, help="S: draft steps per cycle", env="SPEC_STEPS", flag="spec-steps"
+    )
+    topk: int = setting(
+        1, help="K: candidates per draft step (1 = a chain)", env="SPEC_TOPK", flag="spec-topk"
+    )
+    num_draft_tokens: int | None = setting(
+        None,
+        help="N: tree nodes, the verified token included",
+        env="SPEC_TOKENS",
+        flag="spec-tokens",
+        shown_default="S+1",
+    )
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:

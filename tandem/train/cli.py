@@ -10,11 +10,20 @@ from typing import Annotated, Any
 
 import typer
 
+from tandem.config import EngineConfig
+from tandem.settings import Flags, typer_options
 
+# The target to train for and the device to train on, as the engine's settings.
+TARGET = Flags(
+    EngineConfig,
+    ("model", "device"),
+    defaults={"device": None},
+    shown={"device": "cuda when available"},
+)
+
+
+@typer_options(TARGET)
 def train_draft(
-    target: Annotated[
-        Path, typer.Option(help="Target checkpoint directory (any model the runtime loads).")
-    ],
     kind: Annotated[str, typer.Option(help="eagle3, eagle, mtp or model.")],
     out: Annotated[Path, typer.Option(help="Directory to write the draft checkpoint to.")],
     data: Annotated[
@@ -35,9 +44,6 @@ def train_draft(
     max_seconds: Annotated[
         float | None,
         typer.Option(help="Time budget: stop after this long (the cosine runs over time)."),
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option(help="cpu or cuda[:N] (default: cuda when available).")
     ] = None,
     dtype: Annotated[str, typer.Option(help="Saved weights: float32, bfloat16 or float16.")] = (
         "float32"
@@ -68,6 +74,7 @@ def train_draft(
         float | None, typer.Option(help="Use at most this much text (documents in hash order).")
     ] = None,
     log_every: Annotated[int, typer.Option(help="Steps between progress lines.")] = 50,
+    **engine: Any,
 ) -> None:
     """Train a draft (EAGLE-3, EAGLE-1, MTP heads or a small LM) on a target's own outputs."""
     import torch
@@ -77,6 +84,7 @@ def train_draft(
     from tandem.train.loop import LoopSettings
     from tandem.train.standalone import StandaloneShape
 
+    target, device = engine["target"], engine["device"]
     chosen = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         settings = DraftSettings(
