@@ -5,7 +5,7 @@ else: host bookkeeping (planning, verification, commit, building messages) and, 
 services, serialisation and loopback transport. This measures that "everything else" per
 cycle for one request:
 
-- in process: ``Engine`` with an in-process drafter; per step, ``Engine.last_timing``;
+- in process: ``Engine`` with an in-process drafter; per step, ``StepResult.timing``;
 - services: the draft and target services as two processes on loopback (``tandem serve``'s
   command lines); this script speaks the target's Control stream itself, as the gateway does,
   and reads each step's ``StepStats`` (step, verify = target forward, draft = the draft's
@@ -75,8 +75,8 @@ def in_process(args: argparse.Namespace, target: Path, draft: Path | None) -> li
     request_id = engine.add_request(prompt_ids(vocab), params)
     cycles = []
     while engine.has_unfinished():
-        outputs = engine.step()
-        t, st = engine.last_timing, engine.last_stats
+        step = engine.step()
+        outputs, t, st = step.outputs, step.timing, step.stats
         if st.verify_steps:  # a decode cycle (the prefill step verifies nothing)
             cycles.append(
                 Cycle(

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch_size": args.batch_size,
         "graphs": config.use_cuda_graphs,
         "overlap": config.overlap,
-        "ahead_steps": engine.ahead_steps,
+        "ahead_steps": engine.ahead.launches,
         "step_ms_median": wall_ms,
         "host_ms_per_phase": {k: statistics.median(v) / 1e6 for k, v in timer.ns.items()},
         "gpu_kernels_per_step": count / n,
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(
         f"device {result['device']}, bs {args.batch_size}, graphs {result['graphs']}, "
-        f"overlap {config.overlap} ({engine.ahead_steps} steps decoded ahead)"
+        f"overlap {config.overlap} ({engine.ahead.launches} steps decoded ahead)"
     )
     print(f"step (wall, median)     {wall_ms:8.3f} ms")
     for phase, ms in result["host_ms_per_phase"].items():

@@ -248,13 +248,13 @@ def profile(
         start = time.perf_counter()
         ids = [engine.add_request(q, params) for q in prompts(vocab, bs, args.prompt_len, salt)]
         while engine.has_unfinished():
-            engine.step()
+            step = engine.step()
             if log is not None:
-                t = engine.last_timing
+                t = step.timing
                 log.append(
                     (
-                        engine.last_speculated,
-                        engine.last_stats.verify_steps,
+                        step.speculated,
+                        step.stats.verify_steps,
                         sum(1 for r in engine.scheduler.running),
                         t.total_ns / 1e6,
                         t.forward_ns / 1e6,

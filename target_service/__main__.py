@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -22,7 +23,8 @@ from typing import Any, TypeVar
 from tandem import __version__, settings, transfer
 from tandem.config import EngineConfig
 from tandem.sampling import SamplingParams
-from tandem.serving import rpc, security, telemetry
+from tandem.serving import diagnostics, rpc, security, step_log, telemetry
+from tandem.serving.step_log import StepLog
 from tandem.settings import Flags, SettingsParser
 from tandem.spec import simulate
 from tandem.spec.base import Drafter, DraftState, DraftStatus
@@ -150,7 +152,10 @@ async def main(config: TargetServiceConfig) -> None:
         status_interval_s=config.status_interval_s,
         admission_window_s=config.admission_window_s,
         admission_gap_s=config.admission_gap_s,
+        step_log=StepLog.from_env(step_log.TARGET_ENV),
     )
+    if os.environ.get(diagnostics.TARGET_ENV):
+        _diagnose()
     info = get_info(engine, config)
     target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(loop, info), server)
     rpc.maybe_add_reflection(
@@ -182,6 +187,14 @@ WARM_UP_PARAMS = (  # a greedy and a sampled request: each path's kernels compil
     SamplingParams(max_new_tokens=2, ignore_eos=True),
     SamplingParams(max_new_tokens=2, ignore_eos=True, temperature=1.0, top_k=20, top_p=0.9, seed=0),
 )
+
+
+def _diagnose() -> None:
+    """For benchmarks: log garbage collections and stretches without the GIL long enough to
+    stall a step, and each admission burst an idle target gathered."""
+    rpc.log_gc_pauses(logger)
+    diagnostics.log_stalls(logger)
+    logging.getLogger("target_service.engine").setLevel(logging.DEBUG)
 
 
 def _on_device(device: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -8,6 +8,7 @@ event loop, so health checks and streams stay responsive while the model works.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -22,8 +23,9 @@ from tandem.errors import InvalidRequest, NotFound, TandemError
 from tandem.request import FinishReason, RequestOutput
 from tandem.sampling import SamplingParams
 from tandem.serving import profiling
+from tandem.serving.step_log import StepLog
 from tandem.spec.types import SpecStats
-from tandem.target.engine import Engine
+from tandem.target.engine import Engine, GenerationResult
 from tandem.v1 import common_pb2, target_pb2
 from target_service.observe import TargetObserver
 
@@ -80,8 +82,10 @@ class TargetLoop:
         status_interval_s: float = 0.25,
         admission_window_s: float = 0.0,
         admission_gap_s: float = 0.002,
+        step_log: StepLog | None = None,
     ) -> None:
         self.engine = engine
+        self._step_log = step_log  # each step's StepStats, for the benchmarks
         self._status = status
         self._status_interval_s = status_interval_s
         self._admission_window_s = admission_window_s
@@ -211,19 +215,7 @@ class TargetLoop:
         except NotFound:
             return  # already finished: its last commit is on its way
         result = self.engine.pop_finished(request_id)
-        self.observe.finished(
-            request_id,
-            reason.value,
-            result.stats,
-            len(result.prompt_ids),
-            len(result.token_ids),
-        )
-        commit = target_pb2.Commit(
-            request_id=request_id,
-            finish_reason=wire.finish_reason_to_proto(reason),
-            usage=wire.usage_to_proto(result.stats, len(result.prompt_ids), len(result.token_ids)),
-        )
-        self._send([commit])
+        self._send([self._final(request_id, result=result, reason=reason)])
 
     def _refuse(self, stream_id: int, request_id: str, exc: TandemError) -> None:
         code = grpc.StatusCode.INVALID_ARGUMENT
@@ -232,11 +224,7 @@ class TargetLoop:
         error = common_pb2.ErrorStatus(
             code=code.value[0], message=str(exc), field=getattr(exc, "field", "")
         )
-        commit = target_pb2.Commit(
-            request_id=request_id,
-            finish_reason=common_pb2.FINISH_REASON_ERROR,
-            error=error,
-        )
+        commit = self._final(request_id, error=error)
         with self._lock:
             sink = self._streams.sinks.get(stream_id)
         if sink is not None:
@@ -247,7 +235,7 @@ class TargetLoop:
         start = time.perf_counter_ns()
         step_span = self.observe.maybe_step_span()
         try:
-            outputs = self.engine.step()
+            result = self.engine.step()
         except Exception:
             # A bug, not a bad request: fail what is running rather than hang it.
             logger.exception("engine step failed; failing the running requests")
@@ -256,65 +244,78 @@ class TargetLoop:
             self._fail_all()
             return
         self._step_id += 1
-        self.observe.stepped(
-            outputs,
-            self.engine.last_stats,
-            self.engine.last_timing,
-            self.engine.last_lane,
-            step_span,
-        )
-        stats = _step_stats(self.engine.last_stats)
-        timing = self.engine.last_timing
+        self.observe.stepped(result.outputs, result.stats, result.timing, result.lane, step_span)
+        stats = _step_stats(result.stats)
+        timing = result.timing
         stats.step_ns = time.perf_counter_ns() - start
         stats.verify_ns = timing.forward_ns
         stats.draft_ns = timing.draft_model_ns
         stats.wire_ns = max(0, timing.draft_wait_ns - timing.draft_model_ns)
         stats.host_ns = max(0, stats.step_ns - timing.forward_ns - timing.draft_wait_ns)
-        self._send([self._commit(o) for o in outputs], stats, lane=self.engine.last_lane)
+        commits = [self._commit(out) for out in result.outputs]
+        if self._step_log is not None and stats.batch_size:
+            self._step_log.write(stats)
+        self._send(commits, stats, lane=result.lane)
         if self._profile is not None:
             self._profile.step()
 
     def _commit(self, output: RequestOutput) -> target_pb2.Commit:
-        commit = target_pb2.Commit(
+        if output.finished:
+            return self._final(
+                output.request_id,
+                result=self.engine.pop_finished(output.request_id),
+                tokens=output.new_token_ids,
+                logprobs=output.new_logprobs,
+            )
+        return target_pb2.Commit(
             request_id=output.request_id,
             token_ids=output.new_token_ids,
             logprobs=output.new_logprobs,
         )
-        if output.finished:
-            result = self.engine.pop_finished(output.request_id)
-            self.observe.finished(
-                output.request_id,
-                result.finish_reason.value,
-                result.stats,
-                len(result.prompt_ids),
-                len(result.token_ids),
-            )
-            commit.finish_reason = wire.finish_reason_to_proto(result.finish_reason)
-            commit.usage.CopyFrom(
-                wire.usage_to_proto(result.stats, len(result.prompt_ids), len(result.token_ids))
-            )
+
+    def _final(
+        self,
+        request_id: str,
+        *,
+        result: GenerationResult | None = None,
+        reason: FinishReason | None = None,
+        tokens: list[int] | None = None,
+        logprobs: list[float] | None = None,
+        error: common_pb2.ErrorStatus | None = None,
+    ) -> target_pb2.Commit:
+        """A request's last commit: its last tokens and how it ended, with ``error`` (refused
+        or failed) or with the engine's ``result`` (finished by ``reason``, else by the
+        engine's finish reason), whose usage it reports."""
+        commit = target_pb2.Commit(
+            request_id=request_id, token_ids=tokens or [], logprobs=logprobs or []
+        )
+        if error is not None:
+            commit.finish_reason = common_pb2.FINISH_REASON_ERROR
+            commit.error.CopyFrom(error)
+            return commit
+        assert result is not None, "a final commit needs the engine's result or an error"
+        reason = reason or result.finish_reason
+        prompt_tokens, completion_tokens = len(result.prompt_ids), len(result.token_ids)
+        self.observe.finished(
+            request_id, reason.value, result.stats, prompt_tokens, completion_tokens
+        )
+        commit.finish_reason = wire.finish_reason_to_proto(reason)
+        commit.usage.CopyFrom(wire.usage_to_proto(result.stats, prompt_tokens, completion_tokens))
         return commit
 
     def _fail_all(self) -> None:
         scheduler = self.engine.scheduler
         ids = [r.request_id for r in (*scheduler.running, *scheduler.waiting)]
         self.observe.failed(ids, "target step failed")
+        error = common_pb2.ErrorStatus(
+            code=grpc.StatusCode.INTERNAL.value[0], message="target step failed"
+        )
         commits = []
         for request_id in ids:
-            try:
+            with contextlib.suppress(NotFound, KeyError):
                 self.engine.abort(request_id)
                 self.engine.pop_finished(request_id)
-            except (NotFound, KeyError):
-                pass
-            commits.append(
-                target_pb2.Commit(
-                    request_id=request_id,
-                    finish_reason=common_pb2.FINISH_REASON_ERROR,
-                    error=common_pb2.ErrorStatus(
-                        code=grpc.StatusCode.INTERNAL.value[0], message="target step failed"
-                    ),
-                )
-            )
+            commits.append(self._final(request_id, error=error))
         self._send(commits)
 
     def _send(

@@ -1,5 +1,5 @@
 """Target-only decoding and speculation in one process: ``Engine.step()`` driven directly, each
-step's ``last_timing`` and ``last_stats`` recorded.
+step's ``StepResult`` (its timing and verifications) recorded.
 
 ``forward_ns`` of a step that reads its outcome is the forward's device time on CUDA, from two
 timing events (``tandem.clock``), not a synchronisation after it: one would hold back the
@@ -199,26 +199,26 @@ def _round(
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     while engine.has_unfinished():
-        outputs = engine.step()
+        result = engine.step()
         now = clock()
-        for o in outputs:
+        for o in result.outputs:
             if o.new_token_ids:
                 first.setdefault(o.request_id, now)
                 last[o.request_id] = now
-        t = engine.last_timing
+        t = result.timing
         if steps is not None:
             steps.log.append(
                 {
-                    "speculated": engine.last_speculated,
+                    "speculated": result.speculated,
                     "running": len(engine.scheduler.running),
-                    "verified": engine.last_stats.verify_steps,
-                    "tokens": sum(len(o.new_token_ids) for o in outputs),
+                    "verified": result.stats.verify_steps,
+                    "tokens": result.num_committed,
                     "total_ms": t.total_ns / 1e6,
                     "forward_ms": t.forward_ns / 1e6,
                     "draft_model_ms": t.draft_model_ns / 1e6,
                 }
             )
-        if steps is not None and engine.last_stats.verify_steps:  # a decode step
+        if steps is not None and result.stats.verify_steps:  # a decode step
             steps.total.append(t.total_ns)
             steps.forward.append(t.forward_ns)
             steps.draft.append(t.draft_model_ns)

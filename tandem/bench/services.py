@@ -10,11 +10,13 @@ Two measurements per batch size, each its own row:
   split into draft / verify / wire+host and the acceptance per draft position. One lane.
 
 The gateway rows get the same columns from the target's step log
-(``tandem.bench.bench_target.ENV_STEP_LOG``): the steps sent while a measured round ran.
+(``tandem.serving.step_log``, ``TANDEM_TARGET_STEP_LOG``): the steps sent while a measured
+round ran.
 
-The target runs under ``tandem.bench.bench_target`` (the target service with its steps logged
-and its GIL stalls watched; the forward timed by events, as in process) and, with
-``simulate_accept_length``, with ``TANDEM_SIMULATE_ACCEPT_LENGTH`` in its environment.
+The target runs with its steps logged and its diagnostics on (``TANDEM_TARGET_DIAGNOSTICS``:
+GC pauses, GIL stalls, admission bursts in its log; the forward timed by events, as in
+process) and, with ``simulate_accept_length``, with ``TANDEM_SIMULATE_ACCEPT_LENGTH`` in its
+environment.
 
 With an :class:`IdleProbe` (``tandem bench --profile-idle``) the target's and the draft's
 step-window profilers (``tandem.serving.profiling``) wait on an arm file; after a row's measured
@@ -35,13 +37,12 @@ from unittest import mock
 import grpc
 from google.protobuf import json_format
 
-from draft_service import session
 from tandem.apps.demo import free_port
 from tandem.apps.launch import Stack, build_stack
-from tandem.bench import bench_target
 from tandem.bench.inprocess import Workload, fill_latency, prompts
 from tandem.bench.probe import IdleProbe
 from tandem.bench.report import Row, median_ms
+from tandem.serving import diagnostics, step_log
 from tandem.spec import simulate
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -89,13 +90,12 @@ def start_stack(
         ],
     )
     for svc in stack.services:
-        if svc.name == "target":
-            svc.module = "tandem.bench.bench_target"
         if svc.name == "draft" and draft_device is not None:
             svc.args[svc.args.index("--device") + 1] = draft_device
     env = {} if probe is None else probe.env()
-    env[bench_target.ENV_STEP_LOG] = str(step_log(log_dir))
-    env[session.ENV_STEP_LOG] = str(log_dir / "draft-steps.jsonl")
+    env[step_log.TARGET_ENV] = str(target_steps(log_dir))
+    env[step_log.DRAFT_ENV] = str(log_dir / "draft-steps.jsonl")
+    env[diagnostics.TARGET_ENV] = "1"
     if simulate_accept_length is not None:
         env[simulate.ENV_VAR] = str(simulate_accept_length)
     with mock.patch.dict(os.environ, env):  # the services inherit it; this process does not
@@ -103,7 +103,7 @@ def start_stack(
     return stack
 
 
-def step_log(log_dir: Path) -> Path:
+def target_steps(log_dir: Path) -> Path:
     """Where the benchmark's target logs its steps."""
     return log_dir / "target-steps.jsonl"
 
@@ -168,7 +168,8 @@ def through_gateway(
     row = asyncio.run(main())
     if log_dir is not None:
         time.sleep(0.2)  # the target's writer thread is a step or so behind
-        steps = bench_target.read_steps(step_log(log_dir), windows)
+        records = step_log.read_steps(target_steps(log_dir), windows)
+        steps = [json_format.ParseDict(r, target_pb2.StepStats()) for r in records]
         _fill_steps(row, steps, positions)
         suffix = "gateway" if speculate else "gateway-plain"
         _write_steps(log_dir / f"steps-bs{batch_size}-{suffix}.jsonl", steps)

@@ -45,7 +45,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.preempted: list[str] = []  # since the engine last drained it (the draft forgets them)
+        # Requests the draft must forget, preempted or aborted since the engine last took them.
+        self._released: list[str] = []
 
     def add(self, req: Request) -> None:
         """Queues a request after checking that it can ever fit in the pool and the context."""
@@ -160,9 +161,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.tree = None
         req.draft_features = []
-        if req.in_draft:
-            self.preempted.append(req.request_id)
-            req.in_draft = False
+        self._release(req)
         self.waiting.appendleft(req)
 
     def postprocess(
@@ -221,9 +220,21 @@ class Scheduler:
                 self.waiting.remove(req)
                 req.status = RequestStatus.FINISHED
                 req.finish_reason = FinishReason.ABORT
+                self._release(req)
                 return req
         for req in self.running:
             if req.request_id == request_id:
                 self._finish(req, FinishReason.ABORT)
+                self._release(req)
                 return req
         raise NotFound(f"request {request_id!r} is not running or waiting")
+
+    def take_released(self) -> list[str]:
+        """The requests the draft must forget (preempted or aborted) since the last call."""
+        released, self._released = self._released, []
+        return released
+
+    def _release(self, req: Request) -> None:
+        if req.in_draft:
+            self._released.append(req.request_id)
+            req.in_draft = False

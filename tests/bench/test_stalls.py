@@ -1,5 +1,5 @@
-"""tandem.bench.stalls: a thread holding the GIL in one long C call is reported, with the line
-it returned to."""
+"""tandem.serving.diagnostics.log_stalls: a thread holding the GIL in one long C call is reported,
+with the line it returned to."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tandem.bench import stalls
+from tandem.serving import diagnostics as stalls
 
 
 def test_a_long_c_call_is_logged_where_it_returned(caplog: pytest.LogCaptureFixture) -> None:

@@ -399,7 +399,7 @@ def test_two_lanes_overlap_draft_and_verify(server: ServerThread, ckpts: Ckpts) 
         assert sum(r.stats.draft_tokens for r in results) > 0
         assert remote.fallback_steps == 0 and remote.late_steps == 0
         # The draft's answer for the other lane usually arrives during this lane's forward.
-        assert engine.overlapped_steps > steps // 2, (engine.overlapped_steps, steps)
+        assert engine.sync.overlapped > steps // 2, (engine.sync.overlapped, steps)
         _wait(lambda: server.num_tracked() == 0)
     finally:
         remote.close()

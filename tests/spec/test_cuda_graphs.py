@@ -115,10 +115,10 @@ def test_decoding_ahead_equals_synchronous_steps(
     engine = cuda_engine(ckpts, "plain", 16, graphs=True)
     outputs, _ = drive(engine, PLAN)
     assert outputs == target_only
-    assert engine.ahead_steps > 100, engine.ahead_steps
+    assert engine.ahead.launches > 100, engine.ahead.launches
     config = EngineConfig(model=ckpts.target, device="cuda", num_pages=512, overlap=False)
     sync = Engine(config)
-    assert drive(sync, PLAN)[0] == target_only and sync.ahead_steps == 0
+    assert drive(sync, PLAN)[0] == target_only and sync.ahead.launches == 0
 
 
 def test_capture_reports_and_follows_new_layers(

@@ -206,7 +206,7 @@ def _run_to_finish(
     tokens: list[int] = []
     finished_with: tuple[bool, int] | None = None
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             assert finished_with is None, "tokens after the request finished"
             tokens += out.new_token_ids
             if out.finished:

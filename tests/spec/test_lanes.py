@@ -35,8 +35,7 @@ def test_two_lanes_with_moves_equal_target_only(
         if rng.random() < 0.3:  # the gateway rebalancing at an arbitrary moment
             engine.set_lane([rng.choice(ids)], rng.randrange(MAX_LANES))
         both_busy.append(engine.scheduler.lanes_with_work() == {0, 1})
-        engine.step()
-        lanes_stepped.append(engine.last_lane)
+        lanes_stepped.append(engine.step().lane)
     engine.flush_draft()
     results = [engine.pop_finished(i) for i in ids]
     assert [r.token_ids for r in results] == reference
@@ -63,17 +62,17 @@ def test_a_tree_for_an_old_state_is_never_verified(ckpts: Checkpoints) -> None:
     c = engine.add_request(prompts[0], greedy(24), lane=0)
     b = engine.add_request(prompts[2], greedy(24), lane=1)
     req = engine._requests[a]
-    engine.step()  # lane 0: every prompt (b's too); their admits go to the draft
-    assert engine.last_lane == 0 and req.in_draft and req.tree is None
+    step = engine.step()  # lane 0: every prompt (b's too); their admits go to the draft
+    assert step.lane == 0 and req.in_draft and req.tree is None
     engine.set_lane([a], 1)  # a's first tree is in lane 0's uncollected answer
     steps, drafted = req.stats.verify_steps, req.stats.draft_tokens
-    engine.step()  # lane 1: a decodes without a tree, and so does b (its prompt ran in lane 0)
-    assert engine.last_lane == 1
+    step = engine.step()  # lane 1: a decodes without a tree, and b (its prompt ran in lane 0)
+    assert step.lane == 1
     assert (req.stats.verify_steps, req.stats.draft_tokens) == (steps + 1, drafted)
-    engine.step()  # lane 0 collects: a's tree answers a state a has left
-    assert engine.last_lane == 0 and req.tree is None
-    engine.step()  # lane 1 collects a's current tree and verifies it
-    assert engine.last_lane == 1 and req.stats.draft_tokens == drafted + 3
+    step = engine.step()  # lane 0 collects: a's tree answers a state a has left
+    assert step.lane == 0 and req.tree is None
+    step = engine.step()  # lane 1 collects a's current tree and verifies it
+    assert step.lane == 1 and req.stats.draft_tokens == drafted + 3
     while engine.has_unfinished():
         engine.step()
     engine.flush_draft()
@@ -90,11 +89,9 @@ def test_prompts_of_both_lanes_prefill_in_one_step(ckpts: Checkpoints) -> None:
     engine = ckpts.engine("model", SpecConfig(num_steps=3, topk=1), page_size=4)
     prompts = ragged_prompts()[:4]
     ids = [engine.add_request(p, greedy(12), lane=i % 2) for i, p in enumerate(prompts)]
-    engine.step()
-    assert engine.last_lane == 0 and not engine.scheduler.waiting
+    assert engine.step().lane == 0 and not engine.scheduler.waiting
     assert all(len(engine._requests[r].output_ids) == 1 for r in ids)
-    engine.step()
-    assert engine.last_lane == 1
+    assert engine.step().lane == 1
     while engine.has_unfinished():
         engine.step()
     engine.flush_draft()

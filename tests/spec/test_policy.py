@@ -121,9 +121,9 @@ def test_speculation_after_a_long_k0_stretch_accepts_as_before(
     accept: list[float] = []
     ids = [paused.add_request(p, params) for p in prompts]
     while paused.has_unfinished():
-        paused.step()
-        if paused.last_speculated and paused.last_stats.drafts:
-            accept.append(paused.last_stats.accept_length)
+        step = paused.step()
+        if step.speculated and step.stats.drafts:
+            accept.append(step.stats.accept_length)
     paused.flush_draft()
     results = [paused.pop_finished(i) for i in ids]
     assert [r.token_ids for r in results] == expected
@@ -139,9 +139,9 @@ def _mean_accept(engine: Engine, prompts: list[list[int]], params: SamplingParam
     ids = [engine.add_request(p, params) for p in prompts]
     lengths: list[float] = []
     while engine.has_unfinished():
-        engine.step()
-        if engine.last_stats.drafts:
-            lengths.append(engine.last_stats.accept_length)
+        step = engine.step()
+        if step.stats.drafts:
+            lengths.append(step.stats.accept_length)
     engine.flush_draft()
     for i in ids:
         engine.pop_finished(i)
@@ -162,13 +162,14 @@ def test_k0_steps_run_every_lane_at_once(
     while engine.has_unfinished():
         running_lanes = {r.lane for r in engine.scheduler.running}
         sizes = len(engine.scheduler.running)
-        engine.step()
-        if not engine.last_speculated and running_lanes == {0, 1}:
+        step = engine.step()
+        if not step.speculated and running_lanes == {0, 1}:
             merged += 1
-            if engine.in_flight is None:
-                assert engine.last_stats.verify_steps == sizes  # every running request stepped
+            flight = engine.ahead.in_flight
+            if flight is None:
+                assert step.stats.verify_steps == sizes  # every running request stepped
             else:
-                assert set(engine.scheduler.running) <= set(engine.in_flight.batch.requests)
+                assert set(engine.scheduler.running) <= set(flight.batch.requests)
     engine.flush_draft()
     assert [engine.pop_finished(i).token_ids for i in ids] == reference
     assert merged > 5
@@ -190,9 +191,9 @@ def test_held_runs_resume_a_few_per_step(
     ids = [engine.add_request(p, greedy()) for p in ragged_prompts()]
     holding: list[int] = []
     while engine.has_unfinished():
-        engine.step()
+        step = engine.step()
         assert engine.exchange is not None
-        if engine.last_speculated:
+        if step.speculated:
             holding.append(len(engine.exchange.held))
     engine.flush_draft()
     assert [engine.pop_finished(i).token_ids for i in ids] == reference
@@ -397,7 +398,7 @@ def test_requests_that_opted_out_leave_the_policy_alone(ckpts: Checkpoints) -> N
     while engine.has_unfinished():
         engine.step()
     assert policy.asked == policy.measured == 0 and policy._buckets == {}
-    assert engine.ahead_steps > 0  # decoded ahead, as K=0 does
+    assert engine.ahead.launches > 0  # decoded ahead, as K=0 does
     target_only = [r.token_ids for r in ckpts.engine(None, None).generate(prompts, params)]
     assert [engine.pop_finished(i).token_ids for i in ids] == target_only
     engine.add_request(prompts[0], params)
@@ -437,8 +438,7 @@ def test_a_batch_about_to_end_does_not_resume_speculation(ckpts: Checkpoints) ->
         ids = [engine.add_request(p, params) for p in prompts]
         speculated = []
         while engine.has_unfinished():
-            engine.step()
-            speculated.append(engine.last_speculated)
+            speculated.append(engine.step().speculated)
         assert any(speculated) is resumes, (at, speculated)
         assert (policy.measured > 0) is resumes
         assert [engine.pop_finished(i).token_ids for i in ids] == target_only

@@ -83,8 +83,9 @@ def test_ahead_equals_synchronous_and_transformers(ckpt: Path) -> None:
         assert tokens == free[j][: len(tokens)]
         assert reason is (FinishReason.STOP if j % 3 == 0 else FinishReason.LENGTH)
     # Most decode steps decoded ahead: chains break only at arrivals, the abort and the end.
-    assert eng.ahead_steps >= 40, eng.ahead_steps
-    assert eng.in_flight is None or all(r.finished for r in eng.in_flight.batch.requests)
+    assert eng.ahead.launches >= 40, eng.ahead.launches
+    flight = eng.ahead.in_flight
+    assert flight is None or all(r.finished for r in flight.batch.requests)
 
 
 def test_sampled_or_penalised_requests_step_synchronously(ckpt: Path) -> None:
@@ -98,7 +99,7 @@ def test_sampled_or_penalised_requests_step_synchronously(ckpt: Path) -> None:
             eng = engine(ckpt, overlap=overlap)
             res = eng.generate([p for p, _ in work], [sp for _, sp in work])
             outs.append([r.token_ids for r in res])
-            assert eng.ahead_steps == 0  # one request that cannot decode ahead holds the batch
+            assert eng.ahead.launches == 0  # one request that cannot decode ahead holds the batch
         assert outs[0] == outs[1]
 
 
@@ -110,6 +111,6 @@ def test_full_pool_takes_the_ordinary_step(ckpt: Path) -> None:
     results = eng.generate(ps, greedy(24))
     assert [r.token_ids for r in results] == hf_greedy(ckpt, ps, 24)
     assert sum(r.num_preemptions for r in results) > 0, "the pool never ran out"
-    assert eng.ahead_steps > 0
+    assert eng.ahead.launches > 0
     alloc = eng.kv.allocator
     assert alloc.num_free_pages == alloc.num_pages

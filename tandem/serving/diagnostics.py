@@ -1,4 +1,5 @@
-"""A watchdog for the benchmarks: stretches in which a thread could not get the GIL."""
+"""Diagnostics a service turns on for benchmarks (the target's ``TANDEM_TARGET_DIAGNOSTICS``):
+a watchdog for stretches in which a thread could not get the GIL."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import threading
 import time
 import traceback
 
+# Set (to anything) for benchmarks: the target service logs garbage collections and
+# stretches without the GIL long enough to stall a step, and its admission bursts.
+TARGET_ENV = "TANDEM_TARGET_DIAGNOSTICS"
+
 
 def log_stalls(log: logging.Logger, min_ms: float = 15.0, tick_s: float = 0.002) -> threading.Event:
     """Logs (WARNING) every stretch of ``min_ms`` or more in which a watchdog thread, asking
     for the GIL every ``tick_s``, did not get it (another thread held it, in one long C call
     say, or the process was not scheduled), with where every other thread stood when it got
-    it back: the line a long C call returned to. The benchmarks turn it on; setting the
-    returned event stops it."""
+    it back: the line a long C call returned to. Setting the returned event stops it."""
     stop = threading.Event()
 
     def watch() -> None:

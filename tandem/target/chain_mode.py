@@ -1,0 +1,116 @@
+"""Device-chain steps (``tandem/target/device_chain.py``): a run of greedy chain steps, each
+launched before the last one is read.
+
+A run starts from an ordinary speculating step whose lane is the only one with work, once the
+draft owes no answer and holds nothing back and the requests are in the steady state
+(``DeviceChain.can_start``). Each step then launches the next one and reads the oldest unread
+one; where the unread steps may finish every request by length, it reads first and launches
+nothing (``DeviceChain.may_all_finish``). A run that must end (K=0 chosen, a prompt waiting, a
+request finished, a pool full, the draft's half missing) reads what it launched and ends; the
+ordinary step runs at the next call.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tandem.clock import StepTiming
+from tandem.request import RequestOutput
+from tandem.spec.types import SpecStats
+from tandem.target.device_chain import ChainRead, DeviceChain
+from tandem.target.exchange import DraftExchange
+from tandem.target.scheduler import ScheduledBatch, Scheduler
+from tandem.target.step import StepMode, StepPlan, StepResult, merge_outputs
+
+
+class ChainMode(StepMode):
+    """The engine's device-chain runs."""
+
+    def __init__(self, chain: DeviceChain, scheduler: Scheduler, exchange: DraftExchange) -> None:
+        self.chain = chain
+        self.scheduler = scheduler
+        self.exchange = exchange
+        self.lane = 0  # the lane of the current (or last) run
+
+    def run(self, plan: StepPlan) -> StepResult | None:
+        if not self.chain.active:
+            return None
+        if not plan.lanes:
+            return self.drain("no request left to step")
+        reason = (
+            self.chain.stop_reason(self.scheduler) if plan.speculate else "K=0 (policy or ingest)"
+        )
+        return self.drain(reason) if reason else self._step()
+
+    def start(self, plan: StepPlan) -> StepResult | None:
+        """After an ordinary speculating step collected its lane's trees: starts a run with
+        them and steps it once; None when a run may not start now (the ordinary step goes
+        on): another lane has work, the draft owes an answer or catches up after K=0, the
+        requests are not in the steady state, or the pools cannot hold the run."""
+        exchange, chain = self.exchange, self.chain
+        ready = (
+            plan.lanes == {plan.lane}
+            and not exchange.awaiting
+            and not exchange.catching_up
+            and chain.can_start(self.scheduler)
+        )
+        if not ready or not chain.start(list(self.scheduler.running)):
+            return None
+        self.lane = plan.lane
+        return self._step()
+
+    def _step(self) -> StepResult:
+        """Launches the run's next step, reads the oldest unread one and commits it; a run
+        that cannot launch (a pool is full, the draft did not answer) or whose request
+        finished ends here."""
+        chain = self.chain
+        problem = "" if chain.unread and chain.may_all_finish() else chain.launch()
+        waited = time.perf_counter_ns()
+        stats = SpecStats()
+        outputs = self._commit(chain.read(), stats)
+        wait_ns = time.perf_counter_ns() - waited
+        reason = problem or chain.stop_reason(self.scheduler)
+        if problem or (reason and not chain.unread):
+            outputs = merge_outputs(outputs + self._end(reason, stats))
+        # Otherwise a run that must end (a request finished, a prompt waits) still has the
+        # step launched ahead to read: this step's tokens go out now, a finished request's
+        # last ones among them, and the next call reads that step and ends the run (a drain)
+        # rather than hold them back for a step's time.
+        return StepResult(
+            outputs=outputs,
+            stats=stats,
+            timing=StepTiming(forward_ns=wait_ns),
+            lane=self.lane,
+            speculated=True,
+            measured=True,
+        )
+
+    def drain(self, reason: str) -> StepResult:
+        """Reads every unread step of the run and ends it."""
+        stats = SpecStats()
+        outputs = merge_outputs(self._end(reason, stats))
+        return StepResult(outputs=outputs, stats=stats, lane=self.lane, speculated=True)
+
+    def end(self, reason: str) -> None:
+        """Ends the run when no request is left to step (its last steps read, nothing to
+        commit)."""
+        self._end(reason, SpecStats())
+
+    def _end(self, reason: str, stats: SpecStats) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        while self.chain.unread:
+            outputs += self._commit(self.chain.read(), stats)
+        self.chain.end(reason)
+        return outputs
+
+    def _commit(self, reads: list[ChainRead], stats: SpecStats) -> list[RequestOutput]:
+        """A read step's tokens and statistics (its KV progress is the chain's)."""
+        for read in reads:
+            for counts in (read.request.stats, stats):
+                counts.record(read.drafted, read.accepted)
+        batch = ScheduledBatch(
+            requests=[r.request for r in reads], num_new_tokens=[len(r.new_tokens) for r in reads]
+        )
+        return self.scheduler.postprocess(
+            batch, [r.new_tokens for r in reads], [r.logprobs for r in reads]
+        )
