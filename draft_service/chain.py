@@ -175,7 +175,7 @@ class ChainPeer:
             raise ValueError(f"no draft bucket for batch size {msg.batch_size}")
         half = self._halves.get(s)
         if half is None:
-            half = self._halves[s] = DraftChain(drafter, s)
+            half = self._halves[s] = drafter.chain_half(s, torch.device(self.engine.config.device))
         lengths = self.steps.session.lengths
         ids = [self._prefixed(rid) for rid in msg.request_ids]
         for rid, pid, length in zip(msg.request_ids, ids, msg.committed_lens, strict=True):
