@@ -39,7 +39,6 @@ from tandem.bench.models import write_preset
 from tandem.bench.presets import PRESETS
 from tandem.config import EngineConfig
 from tandem.draft.build import DraftConfig, build_drafter
-from tandem.draft.chain_draft import DraftChain
 from tandem.draft.drafter import ModelDrafter
 from tandem.link import ipc
 from tandem.sampling import SamplingParams
@@ -234,7 +233,7 @@ def _draft(a: argparse.Namespace, root: Path) -> None:
     spec = SpecConfig(num_steps=s, topk=1)
     admit = DraftAdmit(request_id="r", token_ids=tokens, features=features, spec=spec)
     drafter.step([admit], [], [])
-    half = DraftChain(drafter, s)
+    half = drafter.chain_half(s, torch.device("cuda"))
     half.request_ids = ["r"]
     assert half.reserve([len(tokens)], 0)
     bucket = next(b for b in graphs.extends if b.batch_size == 1 and b.width == w)

@@ -3,11 +3,11 @@
 engine's worker thread.
 
 A stream gets a :class:`ChainPeer` when the target's hello offered a transport this draft's
-device can share (``TENSOR_TRANSPORT_CUDA_IPC`` on CUDA, ``_SHM`` on CPU); the draft's hello
-then names it, with the description of the peer's prompt buffer (``--prompt-buffer-mb``), into
-which the target writes prompt features instead of sending them inline
-(``TensorFrame.shared_offset``). Runs need a drafter that can run chains (one module with
-draft graphs: ``DraftChain``); another refuses every ``ChainBegin``.
+device can share (``TENSOR_TRANSPORT_CUDA_IPC`` on CUDA, ``_SHM`` on CPU; the draft's hello
+then names it, with its prompt buffer: ``prompts.py``). Runs need a drafter that can run
+chains (one module with draft graphs: ``DraftChain``); another refuses every ``ChainBegin``.
+The engine holds the active run (``DraftEngine.chain_run``), its one owner; a peer reaches
+its stream's run there.
 
 - ``ChainBegin``: every row must be this stream's, tracked at the committed length the target
   gives and a chain of the run's S, the bucket one of the draft's, no other run active and no
@@ -29,86 +29,31 @@ that the stream's next message does not step (the target gave up on ``ChainReady
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from draft_service.context import StreamContext
+from draft_service.engine import ChainRun
+from draft_service.session import StreamSteps
 from tandem.draft.chain_draft import DraftChain
 from tandem.draft.drafter import ModelDrafter
-from tandem.errors import InvalidRequest
 from tandem.graphs.base import Bucket
 from tandem.link import ipc
-from tandem.link.local import SHARING
-from tandem.spec.chain import Chains, share_on_cpu
+from tandem.spec.chain import Chains
 from tandem.v1 import draft_pb2
 
-if TYPE_CHECKING:
-    from draft_service.engine import DraftEngine
-    from draft_service.session import StreamSteps
-
 logger = logging.getLogger(__name__)
-
-
-def transport_for(engine: DraftEngine, offered: list[int]) -> int:
-    """The transport a local stream shares this draft's device by (0: none): the one its
-    device type has, when the target offered it."""
-    wanted = SHARING.get(torch.device(engine.config.device).type, 0)
-    return wanted if wanted in offered else 0
-
-
-def cannot_chain(drafter: object) -> str:
-    """Why ``drafter`` cannot run device-chain runs ('' when it can)."""
-    if not isinstance(drafter, ModelDrafter) or drafter.graphs is None:
-        return "this draft has no draft graphs (or static buckets)"
-    if len(drafter.modules) != 1:
-        return "this draft has several modules"
-    return ""
-
-
-@dataclass
-class ChainRun:
-    """The active run of a stream (``DraftEngine.chain_run`` while it lasts)."""
-
-    stream: int
-    run_id: int
-    half: DraftChain
-    request_ids: list[str]  # as the stream names them
-    bucket: Bucket
-    step: int = 0
-    disturbed: str = ""  # why the run's next step fails ('' while it may go on)
 
 
 class ChainPeer:
     """One stream's device-chain runs (module docstring); worker thread only."""
 
-    def __init__(
-        self, engine: DraftEngine, steps: StreamSteps, transport: int, prompt_bytes: int
-    ) -> None:
-        self.engine = engine
-        self.steps = steps
+    def __init__(self, context: StreamContext, steps: StreamSteps, transport: int) -> None:
+        self.engine = context.engine
+        self.device = context.device
+        self.session = steps.session
         self.stream = steps.stream_id
         self.on_cuda = transport == draft_pb2.TENSOR_TRANSPORT_CUDA_IPC
-        # The buffer the target writes prompt features into (None: they come inline).
-        self.prompts: torch.Tensor | None = None
-        self._copying = False  # copies out of it queued, not waited for (``settle``)
-        if prompt_bytes:
-            device = torch.device(engine.config.device)
-            try:
-                prompts = torch.zeros(prompt_bytes, dtype=torch.uint8, device=device)
-                share_on_cpu(prompts)
-            except (RuntimeError, OSError) as exc:  # out of memory, or a small /dev/shm
-                logger.warning(
-                    "stream %d: no %d-byte prompt buffer (%s); prompts travel inline",
-                    self.stream,
-                    prompt_bytes,
-                    exc,
-                )
-            else:
-                self.prompts = prompts
-                steps.session.shared = self.read_prompt
-                steps.session.settle = self.settle
-        self.run: ChainRun | None = None
         self._last_run = 0
         self._halves: dict[int, DraftChain] = {}  # per S
         self._chains: dict[tuple[int, Bucket], Chains] = {}  # the target's, mapped here
@@ -116,33 +61,24 @@ class ChainPeer:
         self._mine: torch.cuda.Event | None = None
         self._theirs: torch.cuda.Event | None = None
 
-    def describe(self, hello: draft_pb2.SpeculateHello) -> None:
-        """The stream's hello names the transport's prompt buffer."""
-        if self.prompts is not None:
-            hello.prompt_buffer = ipc.describe(self.prompts)
-            hello.prompt_buffer_bytes = self.prompts.numel()
-
-    def read_prompt(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A copy of prompt (or outcome) features the target wrote at ``offset``, queued on
-        this thread's stream, where the draft step that uses it follows; ``settle`` waits for
-        it before the step's answer leaves (the target reuses the region then). Waiting here,
-        frame by frame, cost a step of 32 outcomes 10 ms on a GPU shared with the target: each
-        wait took a turn of the GPU while the target's forward ran."""
-        assert self.prompts is not None
-        if offset + nbytes > self.prompts.numel():
-            raise InvalidRequest("frames.shared_offset", "outside the buffer")
-        self._copying = self.prompts.device.type == "cuda"
-        return self.prompts[offset : offset + nbytes].clone()
-
-    def settle(self) -> None:
-        """Waits for the copies ``read_prompt`` queued (by now the step that used them has
-        been read, so they are done)."""
-        if self._copying and self.prompts is not None:
-            torch.cuda.current_stream(self.prompts.device).synchronize()
-        self._copying = False
+    @property
+    def run(self) -> ChainRun | None:
+        """This stream's active run (the engine holds it)."""
+        run = self.engine.chain_run
+        return run if run is not None and run.stream == self.stream else None
 
     def _prefixed(self, request_id: str) -> str:
         return f"{self.stream}/{request_id}"
+
+    def _model(self) -> ModelDrafter:
+        """The drafter, when it can run chains (ValueError: why not)."""
+        model = self.engine.model
+        if model is None or model.graphs is None:
+            raise ValueError("this draft has no draft graphs (or static buckets)")
+        problem = model.chain_problem()
+        if problem:
+            raise ValueError(problem)
+        return model
 
     # -- ChainBegin ------------------------------------------------------------------------
 
@@ -153,30 +89,26 @@ class ChainPeer:
             return draft_pb2.ChainReady(run_id=msg.run_id, refused=str(exc))
 
     def _begin(self, msg: draft_pb2.ChainBegin) -> draft_pb2.ChainReady:
-        drafter = self.engine.drafter
-        problem = cannot_chain(drafter)
-        if problem:
-            raise ValueError(problem)
-        assert isinstance(drafter, ModelDrafter) and drafter.graphs is not None
+        model = self._model()
         self.drop_unstarted()
-        if self.run is not None or self.engine.chain_run is not None:
+        if self.engine.chain_run is not None:
             raise ValueError("a run is active")
         if msg.run_id <= self._last_run:
             raise ValueError(f"run {msg.run_id} is not after run {self._last_run}")
         if self.engine.other_streams_tracked(self.stream):
             raise ValueError("another stream holds requests in this draft")
         s, n = msg.num_steps, len(msg.request_ids)
-        if s < 1 or s > self.steps.session.max_spec.num_steps:
+        if s < 1 or s > self.session.max_spec.num_steps:
             raise ValueError(f"num_steps {s} is outside this draft's 1..S")
         if n < 1 or n > msg.batch_size or len(msg.committed_lens) != n:
             raise ValueError("rows: request_ids and committed_lens must fill the batch")
         bucket = Bucket(msg.batch_size, s + 1)
-        if msg.batch_size not in drafter.graphs.batch_sizes:
-            raise ValueError(f"no draft bucket for batch size {msg.batch_size}")
         half = self._halves.get(s)
         if half is None:
-            half = self._halves[s] = DraftChain(drafter, s)
-        lengths = self.steps.session.lengths
+            half = self._halves[s] = model.chain_half(s, self.device)
+        if not half.has_bucket(msg.batch_size):
+            raise ValueError(f"no draft bucket for batch size {msg.batch_size}")
+        lengths = self.session.lengths
         ids = [self._prefixed(rid) for rid in msg.request_ids]
         for rid, pid, length in zip(msg.request_ids, ids, msg.committed_lens, strict=True):
             if lengths.get(rid) != length or not half.eligible(pid, length):
@@ -208,8 +140,9 @@ class ChainPeer:
             self._mine = torch.cuda.Event(interprocess=True)
             self._mine.record()
             ready.event = self._mine.ipc_handle()
-        self.run = ChainRun(self.stream, msg.run_id, half, list(msg.request_ids), bucket)
-        self.engine.chain_run = self.run
+        self.engine.chain_run = ChainRun(
+            self.stream, msg.run_id, half, list(msg.request_ids), bucket
+        )
         self._last_run = msg.run_id
         logger.debug("stream %d: chain run %d of %d rows", self.stream, msg.run_id, n)
         return ready
@@ -256,8 +189,8 @@ class ChainPeer:
         if run is None or run.run_id != msg.run_id or len(msg.rows) != len(run.request_ids):
             logger.warning("stream %d: ChainEnd for run %d ignored", self.stream, msg.run_id)
             return []
-        self.run = self.engine.chain_run = None
-        half, lengths = run.half, self.steps.session.lengths
+        self.engine.chain_run = None
+        half, lengths = run.half, self.session.lengths
         finished = [row.finished or msg.abandoned for row in msg.rows]
         for rid, row, done in zip(run.request_ids, msg.rows, finished, strict=True):
             if not done:
@@ -272,7 +205,7 @@ class ChainPeer:
             )
         half.end(finished)
         released = [rid for rid, done in zip(run.request_ids, finished, strict=True) if done]
-        self.steps.session.forget(released)
+        self.session.forget(released)
         self.engine.untrack(self.stream, released)
         return released
 
@@ -284,11 +217,10 @@ class ChainPeer:
             return
         logger.info("stream %d: chain run %d never started; dropped", self.stream, run.run_id)
         run.half.cancel()
-        self.run = self.engine.chain_run = None
+        self.engine.chain_run = None
 
     def close(self) -> None:
         """The stream ended: a run of it ends too (its requests are released with the stream)."""
-        if self.run is not None and self.engine.chain_run is self.run:
+        if self.run is not None:
             self.engine.chain_run = None
-        self.run = None
         self._chains.clear()

@@ -6,6 +6,10 @@ stream is noticed dead, say), so request ids are namespaced per stream inside th
 (``"<stream>/<request id>"``) and everything the engine reports is mapped back. All state
 below is touched on the worker thread only; the servicer talks to it through coroutines that
 await that thread.
+
+The engine is also the one owner of a device-chain run while it lasts (``ChainRun``; the runs
+themselves are ``chain.py``'s): the drafter's buckets hold the run's inputs, so a step of any
+stream meanwhile disturbs it, and no second run may start.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from typing import TypeVar
 
 import torch
 
-from draft_service.chain import ChainRun
 from draft_service.worker import Worker
 from tandem import transfer
 from tandem.config import DTYPES
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.draft.build import DraftConfig, build_drafter, build_model_drafter
+from tandem.draft.chain_draft import DraftChain
 from tandem.draft.drafter import ModelDrafter
+from tandem.graphs.base import Bucket
 from tandem.models.config import ModelConfig
 from tandem.serving import profiling
 from tandem.spec.base import Drafter
@@ -74,6 +79,19 @@ class StepResult:
     model_ns: int  # of which in the draft model (forwards, logits, top-k)
 
 
+@dataclass
+class ChainRun:
+    """A stream's device-chain run while it lasts (``DraftEngine.chain_run``)."""
+
+    stream: int
+    run_id: int
+    half: DraftChain
+    request_ids: list[str]  # as the stream names them
+    bucket: Bucket
+    step: int = 0
+    disturbed: str = ""  # why the run's next step fails ('' while it may go on)
+
+
 class DraftEngine:
     """Loads the drafter and serialises every call into it on one worker thread."""
 
@@ -85,6 +103,9 @@ class DraftEngine:
         self.worker = Worker("draft-engine", transfer.bind_thread, (config.device,))
         self._executor = self.worker
         self._drafter: Drafter | None = None
+        # The drafter when its kind runs a model (all but ngram): its vocabulary, KV pool and
+        # device-chain halves.
+        self._model: ModelDrafter | None = None
         self.info: DraftInfo | None = None  # set once loaded and warmed up
         self._tracked: dict[int, set[str]] = {}  # stream -> its request ids in the drafter
         self._dropped: dict[int, list[str]] = {}  # stream -> dropped ids not yet reported
@@ -93,14 +114,13 @@ class DraftEngine:
         # The target drives the draft's steps: the draft's window follows the target's.
         self._profile = profiling.step_window("draft", config.device, follow=True)  # None: off
         self._stop_ticks = threading.Event()
-        # A stream's device-chain run while it lasts (draft_service/chain.py): the drafter's
-        # buckets hold its inputs, so any other step disturbs it.
+        # The device-chain run while it lasts (module docstring; worker thread only).
         self.chain_run: ChainRun | None = None
 
     @property
-    def drafter(self) -> Drafter | None:
-        """The loaded drafter (worker thread only)."""
-        return self._drafter
+    def model(self) -> ModelDrafter | None:
+        """The loaded drafter when it runs a model (worker thread only)."""
+        return self._model
 
     def other_streams_tracked(self, stream: int) -> bool:
         """Whether a stream other than ``stream`` holds requests (worker thread only)."""
@@ -182,7 +202,9 @@ class DraftEngine:
     def _load(self) -> DraftInfo:
         started = time.perf_counter()
         target = ModelConfig.from_pretrained(self.config.target)
-        drafter = build_drafter(self.config, target.num_layers)
+        layers = target.num_layers
+        model = None if self.config.kind == "ngram" else build_model_drafter(self.config, layers)
+        drafter = build_drafter(self.config, layers) if model is None else model
         if self.config.use_cuda_graphs or self.config.static_buckets:
             drafter.use_graphs(
                 batch_sizes=self.config.cuda_graph_batch_sizes,
@@ -190,14 +212,11 @@ class DraftEngine:
                 num_steps=self.config.cuda_graph_steps,
                 capture=self.config.use_cuda_graphs,
             )
-        vocab = target.vocab_size
-        if isinstance(drafter, ModelDrafter):
-            vocab = drafter.modules[0].vocab_size
         info = DraftInfo(
             kind=self.config.kind,
             model_id="" if self.config.path is None else str(self.config.path),
             target_model_id=str(self.config.target),
-            vocab_size=vocab,
+            vocab_size=target.vocab_size if model is None else model.vocab_size(),
             target_vocab_size=target.vocab_size,
             target_layer_ids=tuple(
                 -1 if i == target.num_layers else i for i in drafter.target_layer_ids
@@ -205,7 +224,7 @@ class DraftEngine:
             hidden_size=target.hidden_size,
             hidden_dtype=self.dtype,
         )
-        self._drafter = drafter
+        self._drafter, self._model = drafter, model
         self._warm_up(info)
         logger.info(
             "draft %s loaded in %.2f s: layers %s, feature size %d",
@@ -305,12 +324,8 @@ class DraftEngine:
         return kv
 
     def _kv_usage(self) -> KvUsage:
-        drafter = self._drafter
-        if not isinstance(drafter, ModelDrafter):
-            return KvUsage(pages_used=0, pages_total=0, page_size=self.config.page_size)
-        total = sum(kv.allocator.num_pages for kv in drafter.kvs)
-        free = sum(kv.allocator.num_free_pages for kv in drafter.kvs)
-        return KvUsage(pages_used=total - free, pages_total=total, page_size=self.config.page_size)
+        used, total = (0, 0) if self._model is None else self._model.kv_pages()
+        return KvUsage(pages_used=used, pages_total=total, page_size=self.config.page_size)
 
 
 def _log_failure(future: Future[None]) -> None:

@@ -2,7 +2,9 @@
 streams over a Unix socket, served on the engine's worker thread (``draft_service.worker``):
 the listening socket and every connection are watched there, and a readable connection's
 steps are parsed, run (``DraftEngine.step_here``) and answered without leaving the thread.
-Validation, sessions and responses are the gRPC stream's (``session.StreamSteps``).
+Validation, sessions and responses are the gRPC stream's (``session.StreamSteps``); what a
+stream needs of the service comes in its ``StreamContext``. A stream whose target shares this
+draft's device gets a prompt buffer (``prompts.py``) and device-chain runs (``chain.py``).
 
 The socket is created private to this user (mode 0600) at the configured path; a stale socket
 left there by a process that died is replaced, a live one or any other file is refused. A
@@ -20,19 +22,17 @@ import logging
 import os
 import socket
 import stat
-from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
-from draft_service.chain import ChainPeer, transport_for
+from draft_service.chain import ChainPeer
+from draft_service.context import StreamContext
+from draft_service.prompts import PromptBuffer
 from draft_service.session import StreamSteps
+from draft_service.worker import Worker
 from tandem.errors import InvalidRequest
 from tandem.link.local import FrameBuffer, check_path, encode
 from tandem.v1 import draft_pb2
-
-if TYPE_CHECKING:
-    from draft_service.server import DraftServiceServicer
-    from draft_service.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,10 @@ _RECV_BYTES = 1 << 20
 class LocalStreams:
     """Listens on ``path``; each connection is one Speculate stream on the worker thread."""
 
-    def __init__(self, servicer: DraftServiceServicer, path: str, max_message_bytes: int) -> None:
-        self.servicer = servicer
+    def __init__(self, context: StreamContext, path: str) -> None:
+        self.context = context
         self.path = check_path(path)
-        self.max_message_bytes = max_message_bytes
-        self._worker: Worker = servicer.engine.worker
+        self._worker: Worker = context.engine.worker
         self._listener: socket.socket | None = None
         self._connections: set[_Connection] = set()  # worker thread only
 
@@ -108,7 +107,7 @@ class _Connection:
     def __init__(self, streams: LocalStreams, sock: socket.socket) -> None:
         self.streams = streams
         self.sock = sock
-        self.frames = FrameBuffer(streams.max_message_bytes)
+        self.frames = FrameBuffer(streams.context.max_message_bytes)
         self.steps: StreamSteps | None = None
         self.chain: ChainPeer | None = None  # device-chain runs, when the hellos chose them
         self.closed = False
@@ -128,28 +127,41 @@ class _Connection:
             self.close(repr(exc))
 
     def _step(self, request: draft_pb2.SpeculateRequest) -> None:
-        servicer = self.streams.servicer
+        context = self.streams.context
         if self.steps is None:
-            info = servicer.engine.info
+            info = context.engine.info
             if info is None:
                 raise ConnectionError("the draft model is loading")
-            self.steps = StreamSteps(servicer, info, f"unix:{self.streams.path}")
+            self.steps = StreamSteps(context, info, f"unix:{self.streams.path}")
         if self._chain_message(request):
             return
         if self.chain is not None:
             self.chain.drop_unstarted()
         work = self.steps.begin(request)
         stream = self.steps.stream_id
-        result = servicer.engine.step_here(stream, work.admits, work.outcomes, work.released)
+        result = context.engine.step_here(stream, work.admits, work.outcomes, work.released)
         response = self.steps.finish(request, work, result)
-        if response.HasField("hello"):  # the stream's first answer: device-chain runs?
-            transport = transport_for(servicer.engine, list(request.hello.tensor_transports))
-            if transport:
-                response.hello.tensor_transports.append(transport)  # type: ignore[arg-type]
-                prompt_bytes = servicer.config.prompt_buffer_mb << 20
-                self.chain = ChainPeer(servicer.engine, self.steps, transport, prompt_bytes)
-                self.chain.describe(response.hello)
+        if response.HasField("hello"):  # the stream's first answer: does it share the device?
+            self._share(context, response.hello, list(request.hello.tensor_transports))
         self.sock.sendall(encode(response))
+
+    def _share(
+        self, context: StreamContext, hello: draft_pb2.SpeculateHello, offered: list[int]
+    ) -> None:
+        """A target that offered a transport this draft's device has gets its prompt buffer
+        and device-chain runs; the hello names both."""
+        transport = context.sharing(offered)
+        if not transport:
+            return
+        assert self.steps is not None
+        hello.tensor_transports.append(transport)  # type: ignore[arg-type]
+        self.chain = ChainPeer(context, self.steps, transport)
+        stream = self.steps.stream_id
+        prompts = PromptBuffer.allocate(context.prompt_buffer_bytes, context.device, stream)
+        if prompts is not None:
+            self.steps.session.shared = prompts.read
+            self.steps.session.settle = prompts.settle
+            prompts.describe(hello)
 
     def _chain_message(self, request: draft_pb2.SpeculateRequest) -> bool:
         """A device-chain message (``draft_service.chain``) handled and answered; False for

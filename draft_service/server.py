@@ -2,7 +2,9 @@
 engine, plus health and reflection.
 
 The servicer only converts: proto -> domain (through ``tandem.wire``, which validates), one
-engine step, domain -> proto; each stream's protocol state is ``session.py``'s ``StreamSteps``.
+engine step, domain -> proto; each stream's protocol state is ``session.py``'s ``StreamSteps``,
+and what a stream needs of the service its ``StreamContext`` (``context.py``), which the local
+socket's streams share.
 A malformed stream ends with INVALID_ARGUMENT; a malformed request inside a good message only
 drops that request. When a stream ends, for any reason, every request it admitted is
 released.
@@ -10,18 +12,16 @@ released.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import secrets
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 
 from draft_service.config import DraftServiceConfig
+from draft_service.context import StreamContext
 from draft_service.engine import DraftEngine, DraftInfo
 from draft_service.local import LocalStreams
-from draft_service.observe import DraftMetrics
 from draft_service.session import StreamSteps
 from tandem import __version__, wire
 from tandem.serving import security
@@ -43,14 +43,10 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
     """Thin servicer: proto <-> domain around :class:`DraftEngine` steps."""
 
-    def __init__(self, engine: DraftEngine, config: DraftServiceConfig) -> None:
-        self.engine = engine
+    def __init__(self, context: StreamContext, config: DraftServiceConfig) -> None:
+        self.context = context
+        self.engine = context.engine
         self.config = config
-        self.stream_ids = itertools.count()
-        self.metrics = DraftMetrics(engine.last_kv_usage)
-        # Random per process: GetInfo and the hello report it, so a target that reaches the
-        # local socket knows it is this service's.
-        self.instance_id = secrets.token_hex(8)
 
     async def _info(self, context: grpc.aio.ServicerContext) -> DraftInfo:
         if self.engine.info is None:
@@ -75,7 +71,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
     ) -> AsyncGenerator[draft_pb2.SpeculateResponse]:
         """One gRPC Speculate stream: a response per request, in order, each step on the
         engine's worker. InvalidRequest ends the stream."""
-        stream = StreamSteps(self, info, peer)
+        stream = StreamSteps(self.context, info, peer)
         try:
             async for request in request_iterator:
                 work = stream.begin(request)
@@ -85,15 +81,6 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
                 yield stream.finish(request, work, result)
         finally:
             stream.close()
-
-    def hello(self, info: DraftInfo) -> draft_pb2.SpeculateHello:
-        return draft_pb2.SpeculateHello(
-            protocol_version=wire.PROTOCOL_VERSION,
-            tensor_transports=[draft_pb2.TENSOR_TRANSPORT_INLINE],
-            max_message_bytes=self.config.max_message_bytes,
-            model_id=info.model_id,
-            instance_id=self.instance_id,
-        )
 
     async def GetInfo(
         self, request: draft_pb2.DraftServiceGetInfoRequest, context: grpc.aio.ServicerContext
@@ -115,7 +102,7 @@ class DraftServiceServicer(draft_pb2_grpc.DraftServiceServicer):
             ),
             version=__version__,
             local_socket=self.config.local_socket or "",
-            instance_id=self.instance_id,
+            instance_id=self.context.instance_id,
         )
 
 
@@ -128,6 +115,7 @@ class DraftServer:
     health: Health
     engine: DraftEngine
     config: DraftServiceConfig
+    context: StreamContext  # what every stream shares, the gRPC and the local ones
     local: LocalStreams | None = None  # the local socket's server, when configured
 
     @property
@@ -158,7 +146,8 @@ async def start(config: DraftServiceConfig) -> DraftServer:
     loaded yet, so health answers NOT_SERVING and Speculate/GetInfo UNAVAILABLE."""
     server = make_server(max_message_bytes=config.max_message_bytes)
     engine = DraftEngine(config.draft)
-    servicer = DraftServiceServicer(engine, config)
+    context = StreamContext.create(engine, config)
+    servicer = DraftServiceServicer(context, config)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
     maybe_add_reflection(server, [SERVICE_NAME], config.reflection)
@@ -167,14 +156,20 @@ async def start(config: DraftServiceConfig) -> DraftServer:
     await server.start()
     local = None
     if config.local_socket is not None:
-        local = LocalStreams(servicer, config.local_socket, config.max_message_bytes)
+        local = LocalStreams(context, config.local_socket)
         try:
             await local.start()
         except BaseException:
             await server.stop(None)
             raise
     started = DraftServer(
-        server=server, port=port, health=health, engine=engine, config=config, local=local
+        server=server,
+        port=port,
+        health=health,
+        engine=engine,
+        config=config,
+        context=context,
+        local=local,
     )
     logger.info("draft service listening on %s", started.address)
     return started

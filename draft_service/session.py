@@ -23,19 +23,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from draft_service.context import StreamContext
 from draft_service.engine import DraftInfo, StepResult
 from draft_service.observe import StreamSpans
 from tandem import wire
 from tandem.errors import InvalidRequest
 from tandem.spec.types import DraftAdmit, SpecConfig, VerifyOutcome
 from tandem.v1 import common_pb2, draft_pb2
-
-if TYPE_CHECKING:
-    from draft_service.server import DraftServiceServicer
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +71,7 @@ class _Session:
         self.max_spec = max_spec
         self.pending: dict[str, _Pending] = {}
         self.lengths: dict[str, int] = {}  # complete requests -> committed tokens
-        # A local stream's shared buffer (draft_service/chain.py): (offset, bytes) -> a copy
+        # A local stream's shared buffer (draft_service/prompts.py): (offset, bytes) -> a copy
         # of them. None: prompt and outcome frames must carry their bytes.
         self.shared: Callable[[int, int], torch.Tensor] | None = None
         # Waits for the copies ``shared`` queued: called before each answer leaves.
@@ -279,11 +276,11 @@ class StreamSteps:
     spans), run the engine step, ``finish`` into its response; ``close`` once, when the stream
     ends for any reason (its requests are released)."""
 
-    def __init__(self, servicer: DraftServiceServicer, info: DraftInfo, peer: str) -> None:
-        self.servicer = servicer
+    def __init__(self, context: StreamContext, info: DraftInfo, peer: str) -> None:
+        self.context = context
         self.info = info
-        self.stream_id = next(servicer.stream_ids)
-        self.session = _Session(info, servicer.config.max_spec)
+        self.stream_id = context.next_stream_id()
+        self.session = _Session(info, context.max_spec)
         self.spans = StreamSpans()
         self._first = True
         self._received = 0
@@ -321,12 +318,12 @@ class StreamSteps:
             model_ns=result.model_ns,
         )
         if self._first:
-            response.hello.CopyFrom(self.servicer.hello(self.info))
+            response.hello.CopyFrom(self.context.hello(self.info))
             self._first = False
         response.total_ns = time.perf_counter_ns() - self._received
         if _STEP_LOG is not None:
             _STEP_LOG.write(request, work, result, response)
-        self.servicer.metrics.stepped(
+        self.context.metrics.stepped(
             result.trees.values(), response.total_ns / 1e9, request.lane_id
         )
         if request.deadline_ns and response.total_ns > request.deadline_ns:
@@ -335,7 +332,7 @@ class StreamSteps:
 
     def close(self) -> None:
         self.spans.close()
-        self.servicer.engine.release_stream(self.stream_id)
+        self.context.engine.release_stream(self.stream_id)
         logger.info("stream %d closed", self.stream_id)
 
 

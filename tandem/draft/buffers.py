@@ -1,17 +1,18 @@
-"""Static buffers of the draft graphs' buckets (``draft_graphs.py``): one packed int64 input
+"""Static buffers of the draft graphs' buckets (``graphs.py``): one packed int64 input
 tensor per bucket (filled from a shared host staging buffer by one copy per step), views into it
 for each forward's ``GraphMetadata``, token ids, positions and gather indices, and the output
 buffers a captured region writes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.attention import AttentionMetadata
-from tandem.draft.plan import ChainSchedule, Staged
+from tandem.draft.schedule import ChainSchedule
+from tandem.draft.state import ModelDraftState
 from tandem.graphs.base import (
     WORD_BITS,
     Bucket,
@@ -26,7 +27,17 @@ from tandem.kv import KVCache
 
 if TYPE_CHECKING:
     from tandem.attention.triton_backend import GraphAttention, TritonAttention
-    from tandem.draft.drafter import ModelDrafter
+
+# Base position of a padding request: its positions base + depth - shift stay >= 0.
+PAD_BASE = 64
+
+
+@dataclass
+class Staged:
+    """A step's int64 inputs by span name, and page-table rows per page-table span."""
+
+    ints: dict[str, list[int]] = field(default_factory=dict)
+    pages: dict[str, list[list[int]]] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -119,8 +130,8 @@ def _backend(
     )
 
 
-def _num_heads(drafter: ModelDrafter, m: int) -> int:
-    module = drafter.modules[m]
+def _num_heads(state: ModelDraftState, m: int) -> int:
+    module = state.modules[m]
     config = getattr(module, "config", None) or getattr(module, "model").config  # noqa: B009
     return int(config.num_heads)
 
@@ -148,7 +159,7 @@ def _padding(tag: str, bs: int, width: int, words: int) -> dict[str, list[int]]:
 
 
 def build_loop_entry(
-    drafter: ModelDrafter,
+    state: ModelDraftState,
     bucket: Bucket,
     schedule: ChainSchedule,
     attention: TritonAttention,
@@ -171,11 +182,11 @@ def build_loop_entry(
     backends, offsets = [], []
     for t, step in enumerate(schedule.steps):
         m, w = step.module, len(step.depths)
-        kv = drafter.kvs[m]
+        kv = state.kvs[m]
         shape = Bucket(bs, w)
-        args = (shape, words, max_pages, kv, _num_heads(drafter, m), attention)
+        args = (shape, words, max_pages, kv, _num_heads(state, m), attention)
         backends.append(_backend(views, str(t), f"pages{m}", *args))
-        shift = drafter.modules[m].shift
+        shift = state.modules[m].shift
         offsets.append(torch.tensor([d - shift for d in step.depths], device=device))
     num_steps = len(schedule.steps) + 1
     return LoopEntry(
@@ -183,7 +194,7 @@ def build_loop_entry(
         layout=layout,
         inputs=inputs,
         max_pages=max_pages,
-        placeholder=placeholder_metadata(drafter.kvs[0]),
+        placeholder=placeholder_metadata(state.kvs[0]),
         empty=empty,
         schedule=schedule,
         base=views["base"],
@@ -194,7 +205,7 @@ def build_loop_entry(
 
 
 def build_extend_entry(
-    drafter: ModelDrafter,
+    state: ModelDraftState,
     bucket: Bucket,
     features: torch.Tensor | None,
     attention: TritonAttention,
@@ -206,7 +217,7 @@ def build_extend_entry(
     words = -(-width // WORD_BITS)
     sizes: dict[str, int] = {"rows": t}
     empty = Staged(ints={"rows": [0] * t})
-    for m, module in enumerate(drafter.modules):
+    for m, module in enumerate(state.modules):
         sizes |= {f"ids{m}": t, f"pos{m}": t, f"last{m}": bs}
         sizes |= _attention_spans(str(m), bs, width, words)
         sizes[f"pages{m}"] = page_table_elements(bs, max_pages)
@@ -219,8 +230,8 @@ def build_extend_entry(
     layout = Layout.packed(sizes)
     inputs, views = _views(layout, device)
     buffers = []
-    for m in range(len(drafter.modules)):
-        args = (bucket, words, max_pages, drafter.kvs[m], _num_heads(drafter, m), attention)
+    for m in range(len(state.modules)):
+        args = (bucket, words, max_pages, state.kvs[m], _num_heads(state, m), attention)
         buffers.append(
             ExtendBuffers(
                 backend=_backend(views, str(m), f"pages{m}", *args),
@@ -235,7 +246,7 @@ def build_extend_entry(
         layout=layout,
         inputs=inputs,
         max_pages=max_pages,
-        placeholder=placeholder_metadata(drafter.kvs[0]),
+        placeholder=placeholder_metadata(state.kvs[0]),
         empty=empty,
         modules=buffers,
         rows=views["rows"],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,9 +28,6 @@ from tandem.models.draft import DraftModule
 from tandem.settings import setting
 from tandem.spec.base import Drafter
 from tandem.spec.types import DRAFT_KINDS, MTP_MODES
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +95,17 @@ class DraftConfig:
 
 
 def build_drafter(config: DraftConfig, num_target_layers: int) -> Drafter:
-    from tandem.models import draft_loader
-
     if config.kind == "ngram":
         return NgramDrafter()
-    assert config.path is not None
+    return build_model_drafter(config, num_target_layers)
+
+
+def build_model_drafter(config: DraftConfig, num_target_layers: int) -> ModelDrafter:
+    """The drafter of a kind that runs a model (every kind but ngram)."""
+    from tandem.models import draft_loader
+
+    if config.kind == "ngram" or config.path is None:
+        raise ValueError(f"kind: {config.kind} runs no draft model")
     dtype = DTYPES[config.dtype]
     kwargs = {"dtype": dtype, "device": config.device}
     modules: list[DraftModule]

@@ -24,27 +24,30 @@ from collections.abc import Sequence
 import torch
 
 import kernels
-from tandem.draft.drafter import ModelDrafter
-from tandem.draft.plan import PAD_BASE, Staged, chain_schedule
+from tandem.draft.buffers import PAD_BASE, Staged
+from tandem.draft.graphs import DraftGraphRunner
+from tandem.draft.schedule import chain_schedule
+from tandem.draft.state import ModelDraftState
 from tandem.graphs.base import WORD_BITS, Bucket, capture_graph, mask_words
 from tandem.spec.chain import Chains, DraftHalf, Outcome, grow_tables, share_on_cpu
 
 
 class DraftChain(DraftHalf):
-    """A ``ModelDrafter``'s share of a run: its pool, its buckets' inputs, its host state."""
+    """A one-module drafter's share of a run, over its state and graph runner: its pool, its
+    buckets' inputs, its host state."""
 
-    def __init__(self, drafter: ModelDrafter, num_steps: int) -> None:
-        assert drafter.graphs is not None and len(drafter.modules) == 1
-        self.drafter = drafter
-        self.graphs = drafter.graphs
+    def __init__(self, state: ModelDraftState, graphs: DraftGraphRunner, num_steps: int) -> None:
+        assert len(state.modules) == 1 and graphs.state is state
+        self.state = state
+        self.graphs = graphs
         self.graphs.ensure_steps(num_steps)
         self.num_steps = num_steps
         self.width = num_steps + 1
         self.device = self.graphs.device
-        self.shift = drafter.modules[0].shift
-        self.schedule = chain_schedule(num_steps, 1, drafter.mode)
+        self.shift = state.modules[0].shift
+        self.schedule = chain_schedule(num_steps, 1, state.mode)
         self.scratch = self.schedule.totals[0]  # the loop's scratch entries a request
-        self.alloc = drafter.kvs[0].allocator
+        self.alloc = state.kvs[0].allocator
         self.request_ids: list[str] = []
         self._bucket = Bucket(1, self.width)
         self._pages: list[int] = []  # per row: pages written into the buckets' tables
@@ -60,10 +63,14 @@ class DraftChain(DraftHalf):
         """Whether a run may start (in process: always; ``RemoteChain``'s may not)."""
         return True
 
+    def has_bucket(self, batch_size: int) -> bool:
+        """Whether the draft's graphs have buckets of ``batch_size`` rows (a run needs one)."""
+        return batch_size in self.graphs.batch_sizes
+
     def eligible(self, request_id: str, num_tokens: int) -> bool:
         """Whether the drafter holds ``request_id`` in step with ``num_tokens`` committed
         tokens, as a chain of this run's S."""
-        seq = self.drafter.seqs.get(request_id)
+        seq = self.state.seqs.get(request_id)
         return (
             seq is not None
             and seq.spec.topk == 1
@@ -199,13 +206,13 @@ class DraftChain(DraftHalf):
 
     def commit(self, request_id: str, tokens: list[int]) -> None:
         """A read step's committed tokens, appended to the drafter's host copy."""
-        self.drafter.seqs[request_id].tokens.extend(tokens)
+        self.state.seqs[request_id].tokens.extend(tokens)
 
     def cancel(self) -> None:
         """Ends a run none of whose steps was launched: the rows' reservations go back and
         the drafter's host state is as it was."""
         for rid in self.request_ids:
-            seq = self.drafter.seqs.get(rid)
+            seq = self.state.seqs.get(rid)
             if seq is not None:
                 self.alloc.truncate(rid, len(seq.tokens) - self.shift)
         self.request_ids = []
@@ -221,12 +228,12 @@ class DraftChain(DraftHalf):
         features = self.outcome.features
         for i, rid in enumerate(self.request_ids):
             if finished[i]:
-                self.drafter.release(rid)
+                self.state.release(rid)
                 continue
-            seq = self.drafter.seqs[rid]
+            seq = self.state.seqs[rid]
             self.alloc.truncate(rid, len(seq.tokens) - self.shift)
             seq.last_out[0] = last_out[i]
-            if features is not None:  # the last accepted node's, as _trim_features keeps
+            if features is not None:  # the last accepted node's, as trim_features keeps
                 row = i * w + accepted[i]
                 seq.features = features[row : row + 1].clone()
                 seq.feature_start = len(seq.tokens) - 2

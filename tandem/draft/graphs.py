@@ -6,9 +6,9 @@ step ``s`` runs module ``m = min(s, M-1)`` over the pairs it has not drafted yet
 the module is running; the nodes of depth 1..s on a chain-MTP head's first step), then the top-1
 of its output at depth ``s``. Argmax and log-probability (``kernels.ops(device).top1``), the
 draft-to-target id map, the next step's token and hidden all stay on the device; the host reads
-ids, log-probabilities and valid flags once, after the replay, and builds the chain as
-``ModelDrafter._draft`` does (an invalid row ends it at that depth). Scratch KV slots for every
-step are reserved before the replay and truncated after it.
+ids, log-probabilities and valid flags once, after the replay, and builds the chain as the
+host path does (``trees.py``; an invalid row ends it at that depth). Scratch KV slots for
+every step are reserved before the replay and truncated after it.
 
 **Draft extend**: the pairs a verification completed (1..S+1 new tokens per request) through
 every module, at buckets ``batch_size x (S+1)``. Module 0 projects the staged target features
@@ -16,13 +16,13 @@ every module, at buckets ``batch_size x (S+1)``. Module 0 projects the staged ta
 head's outputs of this replay or that head's last output before it. The last output of every
 module and request is written into the runner's ``last_out`` buffers and copied out.
 
-What a replay may and may not do (SGLang #25015, #22041 in ``shared/seeds``): inputs are static
-buffers the host refills (one packed staging tensor, one host-to-device copy; target features
-and last outputs are copied into their float buffers); positions are ``base + (depth - shift)``
-with constant per-step offsets, never incremented in place; carried state (each head's output,
-the previous head's hidden for chained MTP) lives in tensors of the replay or in the runner's
-own buffers, never in attributes swapped during capture. Padding as in ``tandem/target/graphs.py``:
-slot -1 and empty mask rows for padded rows, ``seq_len = prefix_len = 0`` for padding requests.
+What a replay may and may not do (SGLang #25015, #22041): inputs are static buffers the host
+refills (one packed staging tensor, one host-to-device copy; target features and last outputs
+are copied into their float buffers); positions are ``base + (depth - shift)`` with constant
+per-step offsets, never incremented in place; carried state (each head's output, the previous
+head's hidden for chained MTP) lives in tensors of the replay or in the runner's own buffers,
+never in attributes swapped during capture. Padding as in ``tandem/target/graphs.py``: slot -1
+and empty mask rows for padded rows, ``seq_len = prefix_len = 0`` for padding requests.
 ``capture=False`` ("eager static") runs the same buffers without capturing (CPU tests).
 
 Known limits: a step runs eagerly (whole step, so trees equal the eager path's) when any request
@@ -47,32 +47,33 @@ import torch
 
 import kernels
 from tandem.draft.buffers import (
+    PAD_BASE,
     ExtendEntry,
     LoopEntry,
     StaticInputs,
     build_extend_entry,
     build_loop_entry,
 )
-from tandem.draft.plan import PAD_BASE, chain_schedule, plan_extend, plan_loop
+from tandem.draft.plan import plan_extend, plan_loop
+from tandem.draft.schedule import chain_schedule
+from tandem.draft.state import ModelDraftState, Update
 from tandem.graphs.base import Bucket, capture_all
 from tandem.models import ForwardContext
 from tandem.spec.types import Tree, valid_depth
 
 if TYPE_CHECKING:
     from tandem.attention.triton_backend import TritonAttention
-    from tandem.draft.drafter import ModelDrafter
 
 logger = logging.getLogger(__name__)
 
-Update = tuple[str, list[int], torch.Tensor | None]  # request id, new tokens, [n, F] features
-
 
 class DraftGraphRunner:
-    """Static buffers, buckets, capture and replay of a ``ModelDrafter``'s chains and extends."""
+    """Static buffers, buckets, capture and replay of a model drafter's chains and extends,
+    over its ``ModelDraftState``."""
 
     def __init__(
         self,
-        drafter: ModelDrafter,
+        state: ModelDraftState,
         *,
         batch_sizes: Sequence[int],
         max_model_len: int,
@@ -84,10 +85,10 @@ class DraftGraphRunner:
             raise ValueError("batch_sizes: need at least one size, all >= 1")
         if max_model_len < 1 or any(s < 1 for s in num_steps):
             raise ValueError("max_model_len, num_steps: must be >= 1")
-        if not self.supports(drafter):
-            raise ValueError("drafter: target-mode MTP with several heads has no draft graphs")
-        self.drafter = drafter
-        self.device = drafter.kvs[0].k_caches[0].device
+        if not self.supports(state):
+            raise ValueError("state: target-mode MTP with several heads has no draft graphs")
+        self.state = state
+        self.device = state.kvs[0].k_caches[0].device
         if capture and self.device.type != "cuda":
             raise ValueError(f"capture: CUDA graphs need a CUDA device, not {self.device}")
         self.use_graphs = capture
@@ -97,7 +98,7 @@ class DraftGraphRunner:
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_model_len = max_model_len
         self.static = StaticInputs(self.device)
-        modules = drafter.modules
+        modules = state.modules
         self.hidden_dtype = next(modules[0].parameters()).dtype
         max_bs = self.batch_sizes[-1]
         # Each module's last committed output (in) and the extend's new one (out): [bs, H_d].
@@ -112,8 +113,8 @@ class DraftGraphRunner:
             self.ensure_steps(s)
 
     @staticmethod
-    def supports(drafter: ModelDrafter) -> bool:
-        return len(drafter.modules) == 1 or drafter.mode == "chain"
+    def supports(state: ModelDraftState) -> bool:
+        return len(state.modules) == 1 or state.mode == "chain"
 
     @property
     def captured(self) -> bool:
@@ -127,7 +128,7 @@ class DraftGraphRunner:
     def draft(self, request_ids: list[str]) -> dict[str, Tree] | None:
         """The chain of every request through its bucket's graph; None when the step has to
         run eagerly (see the module docstring)."""
-        d = self.drafter
+        d = self.state
         seqs = [d.seqs[r] for r in request_ids]
         if not seqs or not d.fast_top1:
             return None
@@ -168,7 +169,7 @@ class DraftGraphRunner:
     def _loop_forward(self, entry: LoopEntry) -> None:
         """The captured region of a draft loop: reads the staged inputs and ``last_in``, writes
         scratch KV of real rows and ``entry.result`` ([3, bs, S]: ids, logprobs, valid)."""
-        d, bs = self.drafter, entry.bucket.batch_size
+        d, bs = self.state, entry.bucket.batch_size
         ops = kernels.ops(self.device)
         picked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
@@ -210,7 +211,7 @@ class DraftGraphRunner:
     def extend(self, updates: list[Update], starts: dict[str, int]) -> list[Update]:
         """Runs the committed pairs of the requests that fit a bucket (tokens and features
         already appended by the drafter); returns the updates left for the eager path."""
-        d = self.drafter
+        d = self.state
         fits = [u for u in updates if starts[u[0]] > 0 and len(u[1]) >= 1]
         if not fits:
             return updates
@@ -250,7 +251,7 @@ class DraftGraphRunner:
     def _extend_forward(self, entry: ExtendEntry) -> None:
         """The captured region of an extend: every module over the staged pairs; writes their
         KV (real rows) and each request's last output into ``last_out``."""
-        d, bs = self.drafter, entry.bucket.batch_size
+        d, bs = self.state, entry.bucket.batch_size
         prev: torch.Tensor | None = None  # [bs * width, H_d], the previous module's outputs
         for m, (module, buf) in enumerate(zip(d.modules, entry.modules, strict=True)):
             hidden = None
@@ -270,7 +271,7 @@ class DraftGraphRunner:
     def _max_pages(self, num_steps: int) -> int:
         """Pages of a request's page table: the longest context plus S+1 new entries, at most
         the smallest pool (no request holds more)."""
-        kvs = self.drafter.kvs
+        kvs = self.state.kvs
         longest = -(-(self.max_model_len + num_steps + 1) // kvs[0].spec.page_size)
         return min(longest, *(kv.allocator.num_pages for kv in kvs))
 
@@ -278,13 +279,12 @@ class DraftGraphRunner:
         """Buckets for S = ``num_steps`` (and, with graphs, their capture), once."""
         if num_steps in self.steps:
             return
-        d = self.drafter
+        d = self.state
         schedule = chain_schedule(num_steps, len(d.modules), d.mode)
         width, max_pages = num_steps + 1, self._max_pages(num_steps)
         features = None
         if d.modules[0].uses_hidden:
-            size = feature_size(d)
-            features = self._zeros(self.batch_sizes[-1] * width, size)
+            features = self._zeros(self.batch_sizes[-1] * width, d.feature_size())
         new: list[LoopEntry | ExtendEntry] = []
         for bs in self.batch_sizes:
             bucket = Bucket(bs, width)
@@ -333,11 +333,3 @@ class DraftGraphRunner:
 
     def _zeros(self, rows: int, width: int) -> torch.Tensor:
         return torch.zeros(rows, width, dtype=self.hidden_dtype, device=self.device)
-
-
-def feature_size(drafter: ModelDrafter) -> int:
-    """Width F of the target features module 0 projects (EAGLE-3: one target hidden per
-    layer; EAGLE-1 and MTP: the draft's own hidden size)."""
-    module = drafter.modules[0]
-    target_hidden = getattr(module, "target_hidden_size", module.hidden_size)
-    return len(drafter.target_layer_ids) * int(target_hidden)

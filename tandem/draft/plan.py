@@ -1,76 +1,20 @@
-"""Host side of the draft graphs (``draft_graphs.py``): which pairs each chain step runs, and
-a step's inputs in its bucket's padded layout (``draft_buffers.py`` holds the buffers).
-
-Chain schedule: step 0 reads module 0's last committed output; step ``s >= 1`` runs module
-``m = min(s, M-1)`` over the chain nodes it has not drafted yet (depths ``1..s`` on its first
-step, else ``s``), each pair fed its hidden by ``ModelDrafter._tree_hidden``'s rule: the parent's
-output of the same module, or for a chained MTP head at depth ``d <= m`` head ``m-1``'s output at
-depth ``d-1``; depth 0 stands for a module's last committed output.
+"""Host side of the draft graphs (``graphs.py``): a step's inputs in its bucket's padded
+layout (``buffers.py`` holds the buffers, ``schedule.py`` says which pairs a chain step runs),
+or None when a request needs the host path. Plans read the drafter's ``ModelDraftState``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from tandem.draft.buffers import PAD_BASE, ExtendEntry, LoopEntry, Staged
+from tandem.draft.schedule import ChainSchedule
+from tandem.draft.state import ModelDraftState
 from tandem.graphs.base import WORD_BITS, mask_words
 from tandem.kv import KVCache
-
-if TYPE_CHECKING:
-    from tandem.draft.buffers import ExtendEntry, LoopEntry
-    from tandem.draft.drafter import ModelDrafter
-
-# Base position of a padding request: its positions base + depth - shift stay >= 0.
-PAD_BASE = 64
-
-
-@dataclass(frozen=True)
-class ChainStep:
-    module: int
-    depths: tuple[int, ...]  # depths of its pairs, consecutive
-    prev: int  # scratch entries the module holds before this step
-    sources: tuple[tuple[int, int], ...]  # per pair: (module, depth) of its hidden input
-
-
-@dataclass(frozen=True)
-class ChainSchedule:
-    steps: tuple[ChainStep, ...]  # steps 1..S-1
-    totals: tuple[int, ...]  # scratch entries per module over the whole loop
-    roots: tuple[int, ...]  # modules whose last committed output the loop reads
-
-    @property
-    def num_words(self) -> int:
-        widest = max((s.prev + len(s.depths) for s in self.steps), default=1)
-        return -(-widest // WORD_BITS)
-
-
-def chain_schedule(num_steps: int, num_modules: int, mode: str) -> ChainSchedule:
-    counts = [0] * num_modules
-    steps = []
-    roots = {0}
-    for s in range(1, num_steps):
-        m = min(s, num_modules - 1)
-        depths = tuple(range(1, s + 1)) if counts[m] == 0 else (s,)
-        sources = []
-        for d in depths:
-            k = m - 1 if mode == "chain" and m >= 1 and d <= m else m
-            sources.append((k, d - 1))
-            if d == 1:
-                roots.add(k)
-        steps.append(ChainStep(m, depths, counts[m], tuple(sources)))
-        counts[m] += len(depths)
-    return ChainSchedule(tuple(steps), tuple(counts), tuple(sorted(roots)))
-
-
-@dataclass
-class Staged:
-    """A step's int64 inputs by span name, and page-table rows per page-table span."""
-
-    ints: dict[str, list[int]] = field(default_factory=dict)
-    pages: dict[str, list[list[int]]] = field(default_factory=dict)
 
 
 def _fits(kv: KVCache, request_id: str, extra: int, max_pages: int) -> bool:
@@ -114,21 +58,21 @@ class LoopPlan:
 
 
 def plan_loop(
-    drafter: ModelDrafter, request_ids: list[str], schedule: ChainSchedule, max_pages: int
+    state: ModelDraftState, request_ids: list[str], schedule: ChainSchedule, max_pages: int
 ) -> LoopPlan | None:
     """The loop's numbers, or None when a request needs the host path: no last output to
     start from, a pair at a negative position, or no room for every scratch slot."""
     bases = []
     for request_id in request_ids:
-        seq = drafter.seqs[request_id]
+        seq = state.seqs[request_id]
         if any(seq.last_out[k] is None for k in schedule.roots):
             return None
         base = len(seq.tokens) - 1
         for step in schedule.steps:
-            if base + step.depths[0] - drafter.modules[step.module].shift < 0:
+            if base + step.depths[0] - state.modules[step.module].shift < 0:
                 return None
         bases.append(base)
-    for kv, total in zip(drafter.kvs, schedule.totals, strict=True):
+    for kv, total in zip(state.kvs, schedule.totals, strict=True):
         if not total:
             continue
         alloc = kv.allocator
@@ -136,7 +80,7 @@ def plan_loop(
             return None
         if not all(_fits(kv, r, total, max_pages) for r in request_ids):
             return None
-    committed = [[kv.allocator.num_tokens(r) for r in request_ids] for kv in drafter.kvs]
+    committed = [[kv.allocator.num_tokens(r) for r in request_ids] for kv in state.kvs]
     return LoopPlan(request_ids, bases, committed)
 
 
@@ -205,23 +149,23 @@ class ExtendPlan:
 
 
 def plan_extend(
-    drafter: ModelDrafter,
+    state: ModelDraftState,
     request_ids: list[str],
     starts: dict[str, int],
     width: int,
     max_pages: int,
 ) -> ExtendPlan | None:
-    """The extend's pairs (as ``ModelDrafter._extend`` forms them), or None when a request
+    """The extend's pairs (as the host path's extend forms them), or None when a request
     needs the host path: more pairs than ``width``, a page table past ``max_pages``, missing
     target features or a missing last output for a chained head."""
-    modules, kvs = drafter.modules, drafter.kvs
+    modules, kvs = state.modules, state.kvs
     firsts: list[list[int]] = [[] for _ in modules]
     counts: list[list[int]] = [[] for _ in modules]
     committed: list[list[int]] = [[] for _ in modules]
     last_in: list[list[torch.Tensor | None]] = [[] for _ in modules[1:]]
     slices = []
     for request_id in request_ids:
-        seq, start = drafter.seqs[request_id], starts[request_id]
+        seq, start = state.seqs[request_id], starts[request_id]
         end = len(seq.tokens)
         for m, (module, kv) in enumerate(zip(modules, kvs, strict=True)):
             first = max(start, module.shift)
@@ -252,6 +196,6 @@ def plan_extend(
         committed=committed,
         last_in=last_in,
         features=features,
-        tokens=[drafter.seqs[r].tokens for r in request_ids],
+        tokens=[state.seqs[r].tokens for r in request_ids],
         shifts=[module.shift for module in modules],
     )

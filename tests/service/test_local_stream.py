@@ -106,7 +106,7 @@ def test_socket_is_private_and_reported(served: ServerThread) -> None:
     try:
         assert remote.wait_ready(20)
         assert remote.info is not None and remote.info.local_socket == path
-        assert remote.info.instance_id == served.server.local.servicer.instance_id  # type: ignore[union-attr]
+        assert remote.info.instance_id == served.server.local.context.instance_id  # type: ignore[union-attr]
         assert remote.local_connects == 1
     finally:
         remote.close()
@@ -151,7 +151,7 @@ def test_bad_connections_end_and_release_their_requests(served: ServerThread) ->
     with _connect(path) as sock:
         sock.sendall(encode(draft_pb2.SpeculateRequest(hello=_hello())))
         first = draft_pb2.SpeculateResponse.FromString(_read_frame(sock) or b"")
-        assert first.hello.instance_id == served.server.local.servicer.instance_id  # type: ignore[union-attr]
+        assert first.hello.instance_id == served.server.local.context.instance_id  # type: ignore[union-attr]
         request = draft_pb2.SpeculateRequest(step_id=1, speculation=wire.spec_to_proto(SPEC))
         state = StreamState(budget=1 << 20, frame_bytes=1 << 18, hidden_dtype=torch.float32)
         sock.sendall(encode(state.build(request, [Feed(7).admit("a", 6)], [], [])))

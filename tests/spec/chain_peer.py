@@ -24,7 +24,6 @@ from tests.kernels._interpret import DEVICE  # sets Triton's mode: import first
 import torch
 
 from tandem.draft.build import DraftConfig, build_drafter
-from tandem.draft.chain_draft import DraftChain
 from tandem.draft.drafter import ModelDrafter
 from tandem.graphs.base import Bucket
 from tandem.link import ipc
@@ -58,7 +57,7 @@ def main(argv: list[str]) -> None:
         spec = SpecConfig(num_steps=num_steps, topk=1)
         admit = DraftAdmit(request_id="r", token_ids=tokens, features=features.clone(), spec=spec)
         drafter.step([admit], [], [])
-        half = DraftChain(drafter, num_steps)
+        half = drafter.chain_half(num_steps, DEVICE)
         half.request_ids = ["r"]
         assert half.reserve([len(tokens)], 0)
         outcome = half.begin(["r"], Bucket(1, w))

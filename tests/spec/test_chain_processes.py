@@ -24,7 +24,6 @@ from tests.kernels._interpret import DEVICE, INTERPRETED  # sets Triton's mode: 
 
 # isort: split
 from tandem.config import EngineConfig
-from tandem.draft.chain_draft import DraftChain
 from tandem.draft.drafter import ModelDrafter
 from tandem.graphs.base import Bucket
 from tandem.link import ipc
@@ -121,7 +120,7 @@ def one_process(ckpts: Checkpoints, simulator: AcceptSimulator | None) -> Run:
     admit = DraftAdmit(request_id="r", token_ids=req.tokens, features=features, spec=spec)
     drafter.step([admit], [], [])
     target = TargetChain(engine.runner.graphs, engine.kv, S, simulator)  # type: ignore[arg-type]
-    draft = DraftChain(drafter, S)
+    draft = drafter.chain_half(S, DEVICE)
     draft.request_ids = ["r"]
     assert draft.reserve([req.num_tokens], 0) and target.reserve([req], 0)
     target.chains = draft.chains = target.begin([req], Bucket(1, W))
