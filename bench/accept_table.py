@@ -27,8 +27,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tandem.config import EngineConfig  # noqa: E402
-from tandem.draft.build import DraftConfig, build_drafter  # noqa: E402
+from tandem.config import DraftConfig, EngineConfig  # noqa: E402
+from tandem.draft.build import build_drafter  # noqa: E402
 from tandem.sampling import SamplingParams  # noqa: E402
 from tandem.spec.types import SpecConfig  # noqa: E402
 from tandem.target.engine import Engine, GenerationResult  # noqa: E402

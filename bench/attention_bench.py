@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from kernels.attention import default_num_splits
 from tandem.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from tandem.attention.triton_backend import TritonAttention
+from tandem.config import torch_dtype
 from tandem.spec.types import Tree
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -203,7 +204,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("attention_bench: needs a CUDA device (the Triton kernels are GPU-only here)")
-    geo = Geometry(args.heads, args.kv_heads, args.head_dim, args.page_size, DTYPES[args.dtype])
+    geo = Geometry(
+        args.heads, args.kv_heads, args.head_dim, args.page_size, torch_dtype(args.dtype)
+    )
     cases = [
         Case(kind, bs, ctx, 1 if kind == "decode" else args.tree_size)
         for kind in ("decode", "verify")

@@ -37,8 +37,8 @@ import torch
 
 from tandem.bench.models import write_preset
 from tandem.bench.presets import PRESETS
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.draft.drafter import ModelDrafter
 from tandem.link import ipc
 from tandem.sampling import SamplingParams

@@ -33,8 +33,8 @@ import grpc
 
 from tandem.apps.demo import free_port, random_models
 from tandem.apps.launch import build_stack
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 from tandem.spec.types import SpecConfig

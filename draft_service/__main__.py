@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from draft_service.config import DraftServiceConfig
 from draft_service.server import DraftServer, start
 from tandem import settings
-from tandem.draft.build import DraftConfig
+from tandem.config import DraftConfig
 from tandem.serving import security, telemetry
 from tandem.serving.rpc import configure_logging, freeze_heap, serve
 from tandem.settings import Flags, SettingsParser

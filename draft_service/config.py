@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.draft.build import DraftConfig
+from tandem.config import DraftConfig
 from tandem.link.local import check_path
 from tandem.serving.rpc import DEFAULT_MAX_MESSAGE_BYTES, format_address
 from tandem.serving.security import ServerTLS

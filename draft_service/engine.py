@@ -27,8 +27,8 @@ import torch
 
 from draft_service.worker import Worker
 from tandem import transfer
-from tandem.config import DTYPES
-from tandem.draft.build import DraftConfig, build_drafter, build_model_drafter
+from tandem.config import DraftConfig, torch_dtype
+from tandem.draft.build import build_drafter, build_model_drafter
 from tandem.draft.chain_draft import DraftChain
 from tandem.draft.drafter import ModelDrafter
 from tandem.graphs.base import Bucket
@@ -97,7 +97,7 @@ class DraftEngine:
 
     def __init__(self, config: DraftConfig) -> None:
         self.config = config
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = torch_dtype(config.dtype)
         # The one thread every drafter call runs on; it also serves local streams' sockets
         # (``draft_service.local``), whose steps run there through ``step_here``.
         self.worker = Worker("draft-engine", transfer.bind_thread, (config.device,))

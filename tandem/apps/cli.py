@@ -18,8 +18,7 @@ import typer
 
 from tandem.apps.embedded import defaults as embedded_defaults
 from tandem.bench.cli import bench
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig
+from tandem.config import DraftConfig, EngineConfig
 from tandem.settings import DRAFT_DEADLINE, LOG_LEVEL, TWO_LANE_BATCH, Flags, Option, typer_options
 from tandem.spec.types import SpecConfig
 from tandem.train.cli import train_draft

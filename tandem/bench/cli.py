@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from tandem.bench.presets import PRESETS
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig
+from tandem.config import DraftConfig, EngineConfig
 from tandem.settings import TWO_LANE_BATCH, Flags, Option, typer_options
 from tandem.spec.types import SpecConfig
 

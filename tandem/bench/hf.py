@@ -19,7 +19,7 @@ import torch
 
 from tandem.bench.inprocess import Workload, fill_latency, prompts
 from tandem.bench.report import Row
-from tandem.config import DTYPES
+from tandem.config import torch_dtype
 
 
 def load(path: Path, dtype: str, device: str) -> Any:
@@ -30,7 +30,7 @@ def load(path: Path, dtype: str, device: str) -> Any:
 
     hf_logging.set_verbosity_error()  # a benchmark's output is its table
     hf_logging.disable_progress_bar()
-    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
     if importlib.util.find_spec("accelerate") is not None:
         kwargs["device_map"] = device  # load straight onto the device
     model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.report import Row, median_ms, percentile
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.models import DecoderLM
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams

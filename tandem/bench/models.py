@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.bench.presets import PRESETS, SPECIALS, Preset
-from tandem.config import DTYPES
+from tandem.config import DTYPES, torch_dtype
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def write_preset(
         aux_layer_ids=preset.aux_layer_ids,
         convention="specforge",
         seed=seed + 1,
-        dtype=DTYPES[dtype],
+        dtype=torch_dtype(dtype),
     )
     assistant = llama_config({**preset.target, **preset.assistant}, dtype)
     write_llama(paths.assistant, assistant, device=device, seed=seed + 2, progress=progress)
@@ -119,7 +119,7 @@ def write_llama(
     """A random Llama checkpoint from ``config`` (a LlamaConfig): weights N(0, 0.02), norms
     near 1, drawn on ``device`` in the config's dtype; shards of at most ``shard_bytes``.
     ``progress(name, bytes_done, bytes_total)`` is called after every tensor."""
-    dtype = DTYPES[str(config.dtype).removeprefix("torch.")]
+    dtype = torch_dtype(str(config.dtype).removeprefix("torch."))
     specs = llama_tensors(config)
     size = torch.tensor([], dtype=dtype).element_size()
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]

@@ -19,7 +19,7 @@ from tandem.bench.inprocess import Workload
 from tandem.bench.probe import plan_probe, probe_window
 from tandem.bench.report import Row
 from tandem.bench.sol import copy_bandwidth, kv_bytes_per_token, t_verify_min, weight_bytes
-from tandem.config import DTYPES, SPEC_POLICIES
+from tandem.config import DTYPES, SPEC_POLICIES, torch_dtype
 from tandem.models import load_model
 from tandem.models.config import ModelConfig
 from tandem.serving import rpc
@@ -102,7 +102,7 @@ def run_bench(
     rpc.log_gc_pauses(logger, min_ms=10.0)  # a slow step may be a collection: say so
     rpc.freeze_heap()  # the imports: a full collection would walk them in every row
     model_config = ModelConfig.from_pretrained(config.target)
-    torch_dtype = DTYPES[config.dtype]
+    dtype = torch_dtype(config.dtype)
     bandwidth = copy_bandwidth(config.device)
     w = config.workload
     header: dict[str, Any] = {
@@ -115,8 +115,8 @@ def run_bench(
         "Rounds per batch size": w.rounds,
         "Simulated accept length": _simulated(config.simulate_accept_length),
         "Copy bandwidth (GB/s)": round(bandwidth / 1e9, 1),
-        "Weights read per step (GB)": round(weight_bytes(model_config, torch_dtype) / 1e9, 3),
-        "KV per token (KiB)": round(kv_bytes_per_token(model_config, torch_dtype) / 1024, 1),
+        "Weights read per step (GB)": round(weight_bytes(model_config, dtype) / 1e9, 3),
+        "KV per token (KiB)": round(kv_bytes_per_token(model_config, dtype) / 1024, 1),
         "Speculation policy": config.spec_policy,
         "Draft device (services)": config.draft_device or config.device,
         "GPU idle profile": _profiled(config),
@@ -151,7 +151,7 @@ def run_bench(
     for row in rows:
         if row.batch_size:
             context = row.batch_size * (w.prompt_len + w.new_tokens // 2)
-            row.finish(t_verify_min(model_config, torch_dtype, context, bandwidth))
+            row.finish(t_verify_min(model_config, dtype, context, bandwidth))
     return header, rows
 
 
@@ -196,7 +196,7 @@ def _free() -> None:
 
 def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
     say(f"loading {config.target} in process")
-    model = load_model(config.target, dtype=DTYPES[config.dtype], device=config.device)
+    model = load_model(config.target, dtype=torch_dtype(config.dtype), device=config.device)
     rows = []
     # mode, spec, policy, overlap, device chain
     plans: list[tuple[str, SpecConfig | None, str, bool, bool]] = []

@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-
-import torch
+from typing import TYPE_CHECKING
 
 from tandem.errors import InvalidRequest
 from tandem.settings import setting
+
+if TYPE_CHECKING:  # the command lines read SpecConfig without loading torch
+    import torch
 
 # The draft kinds every service knows (docs/design.md, "The speculative cycle"), and the two ways
 # an MTP draft feeds its heads.
@@ -90,6 +92,8 @@ class Tree:
     def ancestor_mask(self) -> torch.Tensor:  # [N, N] bool
         """Row i marks node i and its ancestors: what node i attends to within the tree."""
         n = len(self.tokens)
+        import torch
+
         mask = torch.zeros(n, n, dtype=torch.bool)
         for i in range(n):
             if i:
@@ -148,6 +152,8 @@ class DraftAdmit:
         what the draft holds once it applied both."""
         features = self.features
         if features is not None and outcome.features is not None:
+            import torch
+
             features = torch.cat([features, outcome.features.to(features.device, features.dtype)])
         tokens = [*self.token_ids, *outcome.accepted_token_ids, outcome.bonus_token_id]
         return replace(self, token_ids=tokens, features=features)

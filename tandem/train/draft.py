@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from tandem.config import DTYPES
+from tandem.config import DTYPES, torch_dtype
 from tandem.models import draft_loader
 from tandem.train.blocks import Batches, TokenData
 from tandem.train.features import FrozenTarget, TargetOutputs
@@ -124,7 +124,7 @@ def train_draft(
     before = evaluate(trainer, target, heldout, settings.batch_size, device)
     result = run(name, trainer.params(), step, settings.loop, log=log)
     after = evaluate(trainer, target, heldout, settings.batch_size, device)
-    trainer.save(DTYPES[settings.save_dtype])
+    trainer.save(torch_dtype(settings.save_dtype))
     check_loads(settings.kind, out, target_dir)
     record = {
         "kind": settings.kind,
@@ -211,7 +211,7 @@ def check_loads(kind: str, path: Path, target_dir: Path) -> None:
 def _trainer(
     settings: DraftSettings, target: FrozenTarget, out: Path, data: TokenData, device: torch.device
 ) -> Trainer:
-    dtype = DTYPES[settings.save_dtype]
+    dtype = torch_dtype(settings.save_dtype)
     layers, seed, ttt = target.num_layers, settings.seed, settings.ttt_steps
     if settings.kind == "eagle3":
         vocab = int(target.config.vocab_size)

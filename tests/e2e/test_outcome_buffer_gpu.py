@@ -12,7 +12,8 @@ import torch
 
 from tandem.apps.demo import free_port
 from tandem.apps.launch import Service, Stack
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig
+from tandem.draft.build import build_drafter
 from tandem.link import messages
 from tandem.link.remote import RemoteDrafter
 from tandem.testing.random_drafts import make_eagle3_checkpoint

@@ -19,8 +19,8 @@ from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: i
 
 # isort: split
 from kernels.attention import _tree_attention_kernel
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.spec.types import SpecConfig, Tree
 from tandem.target.engine import Engine
 from tandem.target.graphs import Bucket, TargetGraphRunner, graph_widths

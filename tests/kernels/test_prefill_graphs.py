@@ -20,8 +20,8 @@ from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: i
 
 # isort: split
 from kernels.attention import _tree_attention_kernel
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.spec.types import SpecConfig
 from tandem.target.engine import Engine
 from tandem.target.graphs import graph_widths

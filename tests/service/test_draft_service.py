@@ -23,8 +23,8 @@ from draft_service.__main__ import parse_config
 from draft_service.config import DraftServiceConfig
 from draft_service.server import DraftServer, start
 from tandem import transfer, wire
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.errors import CheckpointError, InvalidRequest, KVExhausted, NotFound
 from tandem.link.remote import RemoteDrafter
 from tandem.sampling import SamplingParams

@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 
 from draft_service.engine import DraftEngine
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig
+from tandem.config import DraftConfig, EngineConfig
 from tandem.sampling import SamplingParams
 from tandem.serving import profiling
 from tandem.target.engine import Engine

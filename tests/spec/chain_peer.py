@@ -23,7 +23,8 @@ from tests.kernels._interpret import DEVICE  # sets Triton's mode: import first
 # isort: split
 import torch
 
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig
+from tandem.draft.build import build_drafter
 from tandem.draft.drafter import ModelDrafter
 from tandem.graphs.base import Bucket
 from tandem.link import ipc

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig
+from tandem.draft.build import build_drafter
 from tandem.spec.base import Drafter
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
 from tests.spec.conftest import LAYERS, Checkpoints, greedy, ragged_prompts

@@ -21,8 +21,7 @@ from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: i
 # isort: split
 from draft_service.config import DraftServiceConfig
 from kernels.attention import _tree_attention_kernel
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig
+from tandem.config import DraftConfig, EngineConfig
 from tandem.graphs.base import Bucket
 from tandem.link import ipc
 from tandem.link.chain_remote import RemoteChain

@@ -14,8 +14,8 @@ import random
 
 import pytest
 
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.spec.types import SpecConfig
 from tandem.target.engine import Engine
 from target_service.__main__ import warm_up

@@ -14,8 +14,8 @@ import logging
 import pytest
 import torch
 
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.spec.types import SpecConfig, Tree
 from tandem.target.engine import Engine
 from tandem.target.graphs import Bucket, TargetGraphRunner

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tandem.apps.embedded import family_dir
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.models.config import ModelConfig
 from tandem.spec.types import SpecConfig
 from tandem.target.engine import Engine

@@ -22,8 +22,8 @@ from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: i
 
 # isort: split
 from kernels.attention import _tree_attention_kernel
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.draft.drafter import ModelDrafter
 from tandem.graphs.base import Bucket
 from tandem.models.config import ModelConfig

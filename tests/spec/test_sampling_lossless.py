@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import tandem.spec.verify as verify_module
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.sampling import SamplingBatch, SamplingParams, process_logits
 from tandem.spec.types import SpecConfig
 from tandem.target.engine import Engine

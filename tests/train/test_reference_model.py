@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 from tandem.spec.types import SpecConfig

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tandem.attention import AttentionMetadata, TorchAttention
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig, build_drafter
+from tandem.config import DraftConfig, EngineConfig
+from tandem.draft.build import build_drafter
 from tandem.kv import KVCache, KVCacheSpec
 from tandem.models import ForwardContext
 from tandem.models.draft import DraftModule

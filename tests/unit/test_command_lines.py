@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig
+from tandem.config import DraftConfig, EngineConfig
 from tandem.spec.types import SpecConfig
 
 TOKEN = "a-token-long-enough-to-pass"

@@ -172,8 +172,7 @@ def tandem_options() -> Iterator[tuple[str, typer.core.TyperOption, Setting | No
 def test_every_setting_has_help_and_a_variable() -> None:
     from draft_service.config import DraftServiceConfig
     from gateway.config import GatewayConfig, TokenSources
-    from tandem.config import EngineConfig
-    from tandem.draft.build import DraftConfig
+    from tandem.config import DraftConfig, EngineConfig
     from tandem.serving.health_probe import ProbeConfig
     from tandem.serving.security import ClientTLS, ServerTLS
     from tandem.spec.types import SpecConfig

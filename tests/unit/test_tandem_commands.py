@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from tandem.config import EngineConfig
-from tandem.draft.build import DraftConfig
+from tandem.config import DraftConfig, EngineConfig
 from tandem.spec.types import SpecConfig
 
 
