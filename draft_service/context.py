@@ -21,6 +21,8 @@ from draft_service.engine import DraftEngine, DraftInfo
 from draft_service.observe import DraftMetrics
 from tandem import wire
 from tandem.link.local import SHARING
+from tandem.serving import step_log
+from tandem.serving.step_log import StepLog
 from tandem.spec.types import SpecConfig
 from tandem.v1 import draft_pb2
 
@@ -35,6 +37,7 @@ class StreamContext:
     max_message_bytes: int
     device: torch.device  # the draft's: what a local stream may share with its target
     prompt_buffer_bytes: int  # a device-sharing local stream's prompt buffer (0: inline)
+    step_log: StepLog | None = None  # each step's timings (TANDEM_DRAFT_STEP_LOG), for benchmarks
     # Random per process: GetInfo and the hello report it, so a target that reaches the
     # local socket knows it is this service's.
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))
@@ -49,6 +52,7 @@ class StreamContext:
             max_message_bytes=config.max_message_bytes,
             device=torch.device(config.draft.device),
             prompt_buffer_bytes=config.prompt_buffer_mb << 20,
+            step_log=StepLog.from_env(step_log.DRAFT_ENV),
         )
 
     def next_stream_id(self) -> int:

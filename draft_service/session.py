@@ -16,10 +16,7 @@ request (logged, listed in ``dropped_request_ids``): nothing else is disturbed.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +34,6 @@ from tandem.v1 import common_pb2, draft_pb2
 logger = logging.getLogger(__name__)
 
 # Benchmarks: with this set, every step is appended there as one JSON line (``StepLog``).
-ENV_STEP_LOG = "TANDEM_DRAFT_STEP_LOG"
 _MAX_ITEMSIZE = 8  # bytes per feature element at most (float64): caps a tensor by its shape
 
 
@@ -224,51 +220,30 @@ class _Session:
         )
 
 
-class StepLog:
-    """Each step's timings as one JSON line (``ENV_STEP_LOG``): ``monotonicNs``, the
-    ``time.monotonic_ns()`` its answer was built at (one clock for every process on the host,
-    as the benchmark target's step log), the work (requests drafted, admits, outcomes and
-    their rows) and where the time went: ``applyNs`` taking the message in (outcome features
-    read from the shared buffer included), ``stepNs`` the drafter's step, of which ``modelNs``
-    in the model, ``totalNs`` from the message's arrival to its answer. ``wire`` in the
-    target's StepStats, less this ``totalNs - modelNs``, is the transport and the target's own
-    side of the exchange."""
-
-    _lock = threading.Lock()
-
-    def __init__(self, path: str) -> None:
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
-
-    @classmethod
-    def from_env(cls) -> StepLog | None:
-        path = os.environ.get(ENV_STEP_LOG)
-        return cls(path) if path else None
-
-    def write(
-        self,
-        request: draft_pb2.SpeculateRequest,
-        work: _Work,
-        result: StepResult,
-        response: draft_pb2.SpeculateResponse,
-    ) -> None:
-        record = {
-            "monotonicNs": time.monotonic_ns(),
-            "stepId": request.step_id,
-            "lane": request.lane_id,
-            "requests": len(result.trees),
-            "admits": len(work.admits),
-            "outcomes": len(work.outcomes),
-            "rows": sum(len(o.accepted_token_ids) + 1 for o in work.outcomes),
-            "applyNs": response.extend_ns,
-            "stepNs": response.draft_ns,
-            "modelNs": response.model_ns,
-            "totalNs": response.total_ns,
-        }
-        with self._lock:
-            self._file.write(json.dumps(record) + "\n")
-
-
-_STEP_LOG = StepLog.from_env()
+def _step_record(
+    request: draft_pb2.SpeculateRequest,
+    work: _Work,
+    result: StepResult,
+    response: draft_pb2.SpeculateResponse,
+) -> dict[str, int]:
+    """One step's line in the draft's step log (``TANDEM_DRAFT_STEP_LOG``): the work (requests
+    drafted, admits, outcomes and their rows) and where the time went: ``applyNs`` taking the
+    message in (outcome features read from the shared buffer included), ``stepNs`` the
+    drafter's step, of which ``modelNs`` in the model, ``totalNs`` from the message's arrival
+    to its answer. ``wire`` in the target's StepStats, less this ``totalNs - modelNs``, is the
+    transport and the target's own side of the exchange."""
+    return {
+        "stepId": request.step_id,
+        "lane": request.lane_id,
+        "requests": len(result.trees),
+        "admits": len(work.admits),
+        "outcomes": len(work.outcomes),
+        "rows": sum(len(o.accepted_token_ids) + 1 for o in work.outcomes),
+        "applyNs": response.extend_ns,
+        "stepNs": response.draft_ns,
+        "modelNs": response.model_ns,
+        "totalNs": response.total_ns,
+    }
 
 
 class StreamSteps:
@@ -321,8 +296,8 @@ class StreamSteps:
             response.hello.CopyFrom(self.context.hello(self.info))
             self._first = False
         response.total_ns = time.perf_counter_ns() - self._received
-        if _STEP_LOG is not None:
-            _STEP_LOG.write(request, work, result, response)
+        if self.context.step_log is not None:
+            self.context.step_log.write(_step_record(request, work, result, response))
         self.context.metrics.stepped(
             result.trees.values(), response.total_ns / 1e9, request.lane_id
         )
