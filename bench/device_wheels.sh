@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ the pure-Python wheels the GPU image lacks (it has torch, triton,
 # transformers, grpcio, protobuf, prometheus-client, wrapt, typer, rich, pyyaml), so device runs
-# can `pip install --no-index --target /tmp/site .whl/*.whl` (../.library/device/README.md).
+# can `pip install --no-index --target /tmp/site .whl/*.whl` (the GPU machine has no network).
 # Versions follow this venv's, so the device runs what CI tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -23,7 +23,7 @@ kernel per op, cannot form. Hence on CUDA, in every dtype:
 
 On CPU (Triton's interpreter, tests only) `exp` is numpy's and the mean square is reduced in
 yet another order, so results agree with the references up to float rounding; the interpreter
-computes bfloat16 wrongly (`shared/reference/kernels.md` 7), so interpreted tests use fp32/fp16.
+computes bfloat16 wrongly, so interpreted tests use fp32/fp16.
 
 Not in place: `add_rms_norm` writes a new residual rather than updating its input. In-place
 saves no memory traffic (both read x and residual and write two rows), and the model keeps the

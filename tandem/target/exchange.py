@@ -8,25 +8,22 @@ drafted for (``Request.draft_seq``): a request that stepped again in between (it
 or its tree was late) decodes that step without one, never with a stale one.
 
 K=0 steps (the adaptive policy, ``tandem.target.policy``) submit with ``draft=False``: their
-outcomes are held back per request and merged (tokens and features concatenate exactly as the
-draft would have applied them one by one), so the draft does no work while the lane decodes
-plainly. They go out in one extend when speculation resumes, or, while the features held for
-all requests pass the cap, the longest runs go out until half of it is left (that answer's
-trees are unused while K=0 lasts); a request that finishes during K=0 sends nothing. The
-features stay on the device under an eighth of the device memory free when K=0 first holds
-(``hold.device_cap``), for a draft service too: they cross to the host when they are sent, in
-the client's one copy per message. (Copying each K=0 step's features to pinned host memory
-instead allocated pinned blocks step after step, since held ones are not freed: 1.5-2 ms of
-host time a step at bs 64 and 10-65 ms spikes on the H100 host.) So a long K=0 stretch at a
-large batch does not flush features to the draft (a draft extend, on the GPU the target uses)
-every few steps.
-To a draft service (``Drafter.remote``), waiting admits and held runs go out at most
-``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses together does not resume
-in one message over the stream's cap (``SHARED_HELD_BYTES_PER_STEP`` when they go through a
-buffer the draft shares, ``tandem.link.prompt_ring``: nothing is serialised); a request still
-holding (or not admitted yet) decodes without a tree. In process nothing is serialised: a
-speculating step sends everything due at once, and only K=0 flushes (past the cap) are paced,
-to spread their draft work.
+outcomes are held back per request and merged (tokens and features concatenate exactly as the draft
+would have applied them one by one), so the draft does no work while the lane decodes plainly. They
+go out in one extend when speculation resumes, or, while the features held for all requests pass the
+cap, the longest runs go out until half of it is left (that answer's trees are unused while K=0
+lasts); a request that finishes during K=0 sends nothing. The features stay on the device under an
+eighth of the device memory free when K=0 first holds (``hold.device_cap``), for a draft service
+too: they cross to the host when they are sent, in the client's one copy per message. (Copying each
+K=0 step's features to pinned host memory instead would allocate pinned blocks step after step,
+since held ones are not freed: host time every step, and long spikes.) So a long K=0 stretch at a
+large batch does not flush features to the draft (a draft extend, on the GPU the target uses) every
+few steps. To a draft service (``Drafter.remote``), waiting admits and held runs go out at most
+``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses together does not resume in one
+message over the stream's cap (``SHARED_HELD_BYTES_PER_STEP`` when they go through a buffer the
+draft shares, ``tandem.link.prompt_ring``: nothing is serialised); a request still holding (or not
+admitted yet) decodes without a tree. In process nothing is serialised: a speculating step sends
+everything due at once, and only K=0 flushes (past the cap) are paced, to spread their draft work.
 
 While a draft service takes in new prompts (``INGEST_BYTES`` of their features or more in one
 message), the engine does not wait for its answer: ``ingesting`` tells it to decode with K=0
@@ -177,7 +174,7 @@ class DraftExchange:
         runs keep holding and released ids wait for the next submission. ``alone``: no other
         lane steps before this lane's answer, so the engine has nothing to launch meanwhile:
         a draft service's message leaves before the rest of the step's host work (the
-        client's thread would wait for the GIL behind it: 0.36 ms a cycle at bs 1), unless
+        client's thread would otherwise wait for the GIL behind it, every cycle), unless
         it takes in new prompts (the next steps decode meanwhile, without waiting)."""
         self._apply_dropped()
         behind = bool(self.held or self._deferred_admits)  # before this step's outcomes

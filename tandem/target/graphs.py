@@ -7,7 +7,7 @@ holds the largest tree (the spec tree size N). Shorter trees and missing request
 step (a prompt chunk, a tree wider than every width, more requests than the largest bucket)
 runs eagerly.
 
-What a replay may and may not do (SGLang #25015, #22041 in ``shared/seeds``):
+What a replay may and may not do (SGLang #25015, #22041; docs/design.md section 3):
 
 - Inputs live in static buffers that the host refills before each replay: one packed staging
   tensor, one host-to-device copy. Positions come from the committed length and the tree

@@ -80,16 +80,12 @@ class PolicyConfig:
     # Steps of a window skipped while the draft catches up after K=0 (at most).
     max_unsettled_steps: int = 16
     # What a resume's catch-up loses per token the draft takes in, until one is measured
-    # (``SpecPolicy.catch_up_ns_per_token``). Through the services on an H100 at bs 32 a
-    # first re-check's catch-up (5 steps) lost 72-88 ms over about 6100-6900 tokens held,
-    # 10-14 us a token (docs/performance.md, AH4-AH5); the prior takes about twice that, so an
-    # unmeasured re-check waits rather than loses.
+    # (``SpecPolicy.catch_up_ns_per_token``). About twice what measured catch-ups lost
+    # (bench/results/), so an unmeasured re-check waits rather than loses.
     catch_up_prior_ns_per_token: float = 20_000.0
     # A new bucket above one whose speculation led K=0 by less than this factor starts at K=0
-    # (and measures speculation when its budget allows): the lead shrinks with the batch. On
-    # an H100, 8B-shaped target with an EAGLE-3 head, in process, speculation's rows ran at
-    # 1.71x of target-only at bs 8, 1.26x at 32, and within the margin at 64 (docs/
-    # performance.md, AH6); through the services at 1.6x, 1.2x, 1.0x at bs 1, 8, 32.
+    # (and measures speculation when its budget allows): the lead shrinks with the batch, so
+    # a narrow lead below predicts a loss above (the measured leads: docs/performance.md).
     inherit_k0_below: float = 1.35
 
     def __post_init__(self) -> None:
@@ -192,7 +188,7 @@ class SpecPolicy:
         it (a plain step counted as speculation made it as fast as K=0: noise then chose
         speculation at bs 8 and 64). After ``max_unsettled_steps`` of them a speculation
         window gives up: K=0 until the next re-check (new prompts go out to a draft service
-        a few per step, and the steps between, which wait on the draft, stalled 50 ms each).
+        a few per step, and the steps between, which wait on the draft, stall).
         ``held``: tokens the draft would take in before speculating again (runs K=0 held,
         prompts waiting): a re-check of speculation is expected to cost their catch-up."""
         c, b = self.config, self._bucket(batch_size)
@@ -349,9 +345,9 @@ class SpecPolicy:
 
     def _owed(self, b: _Bucket) -> float:
         """What measuring the other mode again is expected to cost: the last loss (``debt``)
-        and, for speculation after K=0, the catch-up on what K=0 holds now. (The debt alone
-        let a first re-check at bs 32 through the services, whose first window had little to
-        catch up on, cost 90 ms of a 2 s row, against the 34 ms owed.)"""
+        and, for speculation after K=0, the catch-up on what K=0 holds now (the debt alone
+        lets a re-check whose first window had little to catch up on cost several times what
+        it owed)."""
         if b.mode is Mode.PLAIN:
             return b.debt_ns + self.catch_up_ns_per_token * self._held
         return b.debt_ns

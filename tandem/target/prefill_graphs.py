@@ -1,14 +1,14 @@
 """CUDA graphs of the target's prompt chunks (docs/design.md section 7).
 
-An eager forward is bound by the host's launches: on an H100, a 128-token prefill of the
-8B-shaped target keeps the GPU busy 7 ms of a 22-43 ms step (about 430 kernels, each launched
-from Python; docs/performance.md, AG1). A step whose only work is one request's prompt chunk
+An eager forward is bound by the host's launches: an 8B-shaped target's forward is several
+hundred kernels, each launched from Python, so a short prefill keeps the GPU busy a fraction of
+its step (docs/performance.md). A step whose only work is one request's prompt chunk
 (a prompt arriving alone: every request's time to first token at batch size 1) therefore
 replays a graph captured at the smallest token count that holds the chunk (``widths``, default
 16 .. 512); any other step runs as before (eagerly, or in ``tandem.target.graphs``' decode/verify
 buckets).
 
-The replay follows ``tandem.target.graphs``' rules (SGLang #25015, #22041 in ``shared/seeds``):
+The replay follows ``tandem.target.graphs``' rules (SGLang #25015, #22041; docs/design.md 3):
 
 - Inputs live in one packed static buffer that one host-to-device copy refills: the chunk's
   tokens, positions and KV slots, its request's page table row, its lengths, its last row.
