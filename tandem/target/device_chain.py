@@ -30,17 +30,19 @@ What the host knows a step late, and how it stays exact:
   step: the target's KV length, the drafter's KV length, last output and kept feature, and each
   request's next tree (its tokens were appended as the steps were read).
 
-The target's half of a launch is ``tandem/target/chain_verify.py``, the draft's
-``tandem/draft/chain_draft.py``; they hand off through two buffers on the device (``Outcome``,
-``Chains``), as the two services will (docs/device-cycle.md, stage 3). This module runs both
-halves in one process and keeps the run's host bookkeeping.
+The target's half of a launch is ``tandem/target/chain_verify.py``; the draft's is whatever
+its drafter hands over (``tandem.spec.chain.DraftHalf``: ``tandem/draft/chain_draft.py`` in
+process, ``tandem/link/chain_remote.py`` for a draft service on the same device). They hand off
+through two buffers on the device (``Outcome``, ``Chains``). This module drives both halves and
+keeps the run's host bookkeeping.
 
 A run starts only in the steady state (``can_start``): every running request decoding
-greedily without penalties in one lane, each tracked by an in-process ``ModelDrafter`` with
-draft graphs and one module (EAGLE-3, EAGLE, a standalone LM) and holding a chain tree, no
+greedily without penalties in one lane, each tracked by a drafter that takes the draft's half
+(``Drafter.chain_half``: an in-process drafter with draft graphs and one module, or a draft
+service on this device) and holding a chain tree, no
 prompt waiting, graph buckets for the batch, context for three more steps (``max_new_tokens``
 needs none: a request that passes it finishes at the read, its extra tokens dropped). The
-engine ends it when any of that changes (``tandem/target/engine_chain.py``).
+engine ends it when any of that changes (``tandem/target/chain_mode.py``).
 """
 
 from __future__ import annotations
