@@ -87,6 +87,7 @@ async def calls(
     return unary, streaming, ids
 
 
+@pytest.mark.e2e
 def test_gateway_over_tls_wants_the_right_token(pki: PKI, tokenizer_dir: Path) -> None:
     tls = ServerTLS(cert=pki.server.cert, key=pki.server.key)
     client_tls = ClientTLS(ca=pki.ca.cert)

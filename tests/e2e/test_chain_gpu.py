@@ -23,6 +23,7 @@ from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.e2e.test_services import restart_draft
 
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA device"),
 ]

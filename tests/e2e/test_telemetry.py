@@ -23,6 +23,8 @@ from tandem.testing.random_drafts import make_eagle3_checkpoint
 from tandem.testing.random_model import make_checkpoint
 from tests.e2e.test_services import generate
 
+pytestmark = pytest.mark.e2e
+
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     """An OTLP/gRPC trace endpoint that keeps every span with its service name."""

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.checkpoints import load_hf, make_checkpoint
+
+pytestmark = pytest.mark.e2e  # every test runs the command line in a subprocess
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
