@@ -1,9 +1,9 @@
 """``python -m tandem.bench.bench_target``: the target service for benchmarks (its
-StepStats.verify_ns is the forward's device time, from timing events: ``tandem.clock``; until
-run Y1 this was ``synced_target``, which synchronised after each forward and so held back the
-verification's host work behind it). Garbage collections of 2 ms or more are logged,
-so that a slow step in StepStats can be told from a collection, and so are stretches of 15 ms or
-more in which a watchdog thread did not get the GIL, with where the other threads stood, and
+StepStats.verify_ns is the forward's device time, from timing events: ``tandem.clock``, not a
+synchronisation after each forward, which would hold back the verification's host work behind
+it). Long garbage collections are logged (``rpc.log_gc_pauses``), so that a slow step in
+StepStats can be told from a collection, and so are long stretches in which a watchdog thread
+did not get the GIL (``tandem.bench.stalls``), with where the other threads stood, and
 each admission burst an idle target gathered (how many commands, over how long). With
 ``TANDEM_BENCH_STEP_LOG`` set, every step that verified something is appended there as one JSON
 line (its StepStats and ``monotonic_ns``, the ``time.monotonic_ns()`` it was sent at, one clock
