@@ -10,7 +10,7 @@ PROMPT ?= def fibonacci(n):
 DRAFT ?=
 DRAFT_KIND ?=
 
-.PHONY: install demo lint protos test
+.PHONY: install demo lint protos test test-quick
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,3 +43,9 @@ lint: install
 # pytest exits 5 when it collected nothing: that is a failure here, like any non-zero code.
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The development loop: tests/unit and tests/kernels without the tests marked slow (more than a
+# few seconds each) or e2e (they start processes), in under 3 minutes on a 2-core machine, no
+# lint first. `make test` runs everything, as CI does.
+test-quick: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit tests/kernels -m "not gpu and not e2e and not slow"

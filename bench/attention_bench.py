@@ -31,7 +31,7 @@ from tandem.config import torch_dtype
 from tandem.spec.types import Tree
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-L2_BYTES = 256 << 20  # rotate over at least this much KV per graph (H100/H200 L2: 50-60 MB)
+L2_BYTES = 256 << 20  # rotate over at least this much KV per graph: several times a GPU's L2
 
 
 @dataclass(frozen=True)

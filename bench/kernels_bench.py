@@ -10,7 +10,8 @@ reference in `kernels/reference.py`. Each op is timed with CUDA events as the me
   compaction) only the kernel can be captured;
 - eager: the calls issued from Python, launch overhead and the wrappers' checks included.
 
-Inputs stay in L2 between calls where they fit (16 MB of logits at 64 rows do on an H100).
+Inputs stay in L2 between calls where they fit (the logits of 64 rows do on a GPU with a large
+L2).
 Ids are checked against the baseline before timing. Without CUDA the script runs the kernels in
 Triton's interpreter on tiny shapes, to check itself; those timings mean nothing.
 

@@ -3,7 +3,8 @@
 On CUDA, two timing events bracket the work on the device's current stream and are read once
 the host has waited for that stream past them anyway (a step's one read of its outcome): a
 host synchronisation only to time the forward would hold back the host work that otherwise
-runs beside it (the verification's launches, at bs 1 1.5-2 ms a speculative step on an H100).
+runs beside it (the verification's launches, a large share of a small batch's speculative
+step).
 Elsewhere the host's clock: CPU work runs synchronously. ``StepTiming`` is where an engine
 step's time went.
 """

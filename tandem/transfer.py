@@ -4,7 +4,8 @@ A copy from pageable memory (``torch.tensor(..., device="cuda")``, ``Tensor.to("
 for everything queued on the stream first: with the engine decoding ahead that is the next
 forward, and a step of small copies paid one wait each. Every copy here goes through pinned
 memory from the caching host allocator behind the stream's work (``Tensor.pin_memory()`` asks
-the driver whether its source is pinned first, about 0.15 ms a call on the H100 host):
+the driver whether its source is pinned first, a cost per call that a step of small copies
+would pay many times):
 
 - ``to_device`` / ``device_ints``: host data onto the device; nothing waits.
 - ``read_host``: device tensors onto the host after one wait, for the last copy only.

@@ -1,15 +1,19 @@
-"""Checkpoints for the tests: random ones written on the fly, and transformers' reference."""
+"""Checkpoints for the tests: random ones written on the fly, edits to their config and tensors,
+and transformers' reference."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from tandem.testing.random_model import ARCHS, make_checkpoint
 
-__all__ = ["ARCHS", "hf_greedy", "load_hf", "make_checkpoint"]
+__all__ = ["ARCHS", "edit_config", "edit_tensors", "hf_greedy", "load_hf", "make_checkpoint"]
 
 
 def load_hf(path: Path) -> Any:
@@ -41,3 +45,14 @@ def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[lis
             )
         out.append(ids[0, len(p) :].tolist())
     return out
+
+
+def edit_config(path: Path, **changes: Any) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | changes))
+
+
+def edit_tensors(path: Path, edit: Callable[[dict[str, torch.Tensor]], Any]) -> None:
+    w = load_file(path / "model.safetensors")
+    edit(w)
+    save_file(w, path / "model.safetensors")

@@ -153,6 +153,6 @@ def build_custom_mask(
 
 def causal_mask(q_len: int, width: int) -> torch.Tensor:  # [q_len, width] bool
     """Row r sees columns ``<= width - q_len + r``: the last ``q_len`` columns are the new
-    tokens, earlier ones visible to all. (A comparison, not ``Tensor.tril_``, which on some
-    CPUs takes milliseconds for a bool [128, 256].)"""
+    tokens, earlier ones visible to all. (A comparison, not ``Tensor.tril_``, which is slow on
+    some CPUs for bool masks of verify-tree sizes.)"""
     return torch.arange(width)[None, :] <= torch.arange(width - q_len, width)[:, None]

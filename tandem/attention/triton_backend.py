@@ -13,7 +13,7 @@ fixed, so a forward launches ``store_kv`` and ``tree_attention`` on them and not
 The attention kernel has compile-time variants (query tile size from the longest query, custom
 mask or causal, split KV or not) and a forward's batch picks one; the first step of a kind never
 seen (a prompt arriving while others verify trees: a long masked query) would compile it while
-every request waits, about a second on an H100 host. So the first eager forward of each head
+every request waits (on the order of a second). So the first eager forward of each head
 shape compiles them all on tiny inputs first (``compile_variants``).
 """
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from tandem.serving.profile_file import FORMAT_VERSION
 
 Interval = tuple[int, int]  # [start_ns, end_ns)
-LONG_GAP_NS = 100_000  # 0.1 ms: far above a kernel launch gap (a few us)
+LONG_GAP_NS = 100_000  # far above the gap between two launched kernels
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +38,7 @@ class Profile:
     process: str  # "<service>-<pid>"
     timeline: str  # "gpu_kernels", or "cpu_ops" where the process ran without CUDA
     window: Interval
-    labels: dict[str, str]  # device key -> a readable name ("cuda:0 NVIDIA H100 ...")
+    labels: dict[str, str]  # device key -> a readable name ("cuda:0 <its device name>")
     intervals: dict[str, list[Interval]]  # device key -> busy intervals
     closed: str = "steps"  # how the window ended: steps, idle, follow or stop
     num_steps: int | None = None  # loop steps inside the window (None: an older file)

@@ -3,8 +3,8 @@ step's ``StepResult`` (its timing and verifications) recorded.
 
 ``forward_ns`` of a step that reads its outcome is the forward's device time on CUDA, from two
 timing events (``tandem.clock``), not a synchronisation after it: one would hold back the
-verification's host work that runs beside the forward (1.5-2 ms a speculative step at bs 1 on
-an H100). A step decoding ahead counts its launch and its wait for the step before.
+verification's host work that runs beside the forward (a large share of a small batch's
+speculative step). A step decoding ahead counts its launch and its wait for the step before.
 """
 
 from __future__ import annotations

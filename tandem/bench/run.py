@@ -186,8 +186,8 @@ def _device_name(device: str) -> str:
 
 def _free() -> None:
     """Collects what the last engine or model left, then hides the rest from the collector
-    again (rpc.freeze_heap): a full collection over the imports alone (about 365 000
-    objects, torch and transformers) takes 200-290 ms, a stalled step in a row."""
+    again (rpc.freeze_heap): a full collection over the imports alone (hundreds of thousands
+    of objects, torch and transformers) would stall a step in a row."""
     gc.unfreeze()  # what freeze_heap hid is collectable again
     rpc.freeze_heap()  # a full collection, then the survivors hidden
     if torch.cuda.is_available():

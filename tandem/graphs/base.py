@@ -206,10 +206,9 @@ def no_collection() -> Iterator[None]:
     """No automatic garbage collection in this block (``torch.cuda.graph`` collects once before
     it captures): a collection inside a capture runs the finalizers of whatever it frees on
     the capturing thread, and one that calls CUDA (an event, a pinned buffer, an IPC mapping)
-    invalidates the capture. On an H100 a target's capture failed so in 2 of 4 runs of
-    tests/spec/test_cuda_spec.py (cudaErrorStreamCaptureInvalidated, reported at a Triton
-    launch); collections ran inside captures 3 to 4 times a run. That they caused the failures
-    is not proven (docs/performance.md, AI8)."""
+    invalidates the capture (cudaErrorStreamCaptureInvalidated, reported at a later launch).
+    Captures that failed so in tests/spec/test_cuda_spec.py had collections running inside
+    them; that these caused the failures is not proven."""
     enabled = gc.isenabled()
     gc.disable()
     try:

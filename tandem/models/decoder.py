@@ -60,9 +60,9 @@ def transpose_weights(model: nn.Module) -> int:
     """Stores every projection's weight as the transpose of a contiguous [in, out] tensor
     (its shape stays [out, in], so loading, state dicts and ``F.linear`` see no change):
     ``F.linear(x, W)`` then multiplies by a row-major ``W^T``, which cuBLAS runs faster than
-    the [out, in] layout at decode sizes on an H100 (M = 1: gate_up 79 against 86 us, lm_head
-    356 against 377 us), and ``Linear`` runs ``kernels.skinny`` on it. A weight shared with an
-    embedding (a tied lm_head) keeps the embedding's layout. Returns the weights moved."""
+    the [out, in] layout at decode sizes (M = 1; ``bench/skinny_sweep.py --layouts`` compares
+    them), and ``Linear`` runs ``kernels.skinny`` on it. A weight shared with an embedding (a
+    tied lm_head) keeps the embedding's layout. Returns the weights moved."""
     shared = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     moved = 0
     for module in model.modules():

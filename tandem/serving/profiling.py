@@ -30,12 +30,12 @@ arm file only). The draft service steps when its target sends it work, which is 
 target step: a batch's prompts take it one long step while the target decodes on with K=0,
 and a target decoding with K=0 sends it nothing (``tandem.target.exchange``). Counted in its
 own steps, its window under ``tandem bench --profile-idle`` never ended in a K=0 round (the
-bench waited 60 s for a file that never came) and, at bs 8 with speculation on an H100,
-opened after the target's had closed. A follower notices an arm before its next step, or in
-a ``wait`` if no step comes; its window opens at its last step's end or at the arm, whichever
-is later (no step of its ran in between), with the profiler running from there, and ends at
-the first step or ``wait`` that finds another process's window in the directory
-(``follow``). So it covers the counting process's window, with every step it ran in it.
+bench waited for a file that never came) and, speculating, could open after the target's had
+closed. A follower notices an arm before its next step, or in a ``wait`` if no step comes;
+its window opens at its last step's end or at the arm, whichever is later (no step of its ran
+in between), with the profiler running from there, and ends at the first step or ``wait``
+that finds another process's window in the directory (``follow``). So it covers the
+counting process's window, with every step it ran in it.
 
 Clock. ``torch.profiler``'s ``kineto_results.events()`` report ``start_ns()``/``end_ns()`` in
 nanoseconds since the Unix epoch on ``CLOCK_REALTIME``, i.e. ``time.time_ns()``, for host and

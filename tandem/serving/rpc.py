@@ -276,8 +276,8 @@ T = TypeVar("T", str, int, float, bool)
 def freeze_heap() -> None:
     """Once a service is loaded and warmed up: everything alive (the model, its graphs, a
     tokenizer's tables, the server) leaves the garbage collector's view (``gc.freeze`` after
-    a full collection). Otherwise each generation-2 collection walks all of it again: on an
-    8B target they took 54-207 ms, a stalled step each (bench/bench_target logs them)."""
+    a full collection). Otherwise each generation-2 collection walks all of it again, a
+    stalled step each on a large target (bench/bench_target logs them)."""
     gc.collect()
     gc.freeze()
 

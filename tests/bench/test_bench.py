@@ -25,6 +25,7 @@ S = 3
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_bench_smoke(tmp_path: Path) -> None:
     plots = tmp_path / "plots"
     cmd = [

@@ -29,7 +29,7 @@ from tandem.testing.random_model import write_tokenizer
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.deploy.helpers import check, health_server, probe, run
 from tests.deploy.pki import PKI
-from tests.service.test_gateway import EchoTarget, start_target
+from tests.helpers.gateway import EchoTarget, start_target
 
 TOKEN = secrets.token_urlsafe(32)
 OTHER_TOKEN = secrets.token_urlsafe(32)
@@ -87,6 +87,7 @@ async def calls(
     return unary, streaming, ids
 
 
+@pytest.mark.e2e
 def test_gateway_over_tls_wants_the_right_token(pki: PKI, tokenizer_dir: Path) -> None:
     tls = ServerTLS(cert=pki.server.cert, key=pki.server.key)
     client_tls = ClientTLS(ca=pki.ca.cert)

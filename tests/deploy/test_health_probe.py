@@ -6,9 +6,13 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
+
 from tandem.serving.security import ServerTLS
 from tests.deploy.helpers import TEST_SERVICE, health_server, probe, run
 from tests.deploy.pki import PKI
+
+pytestmark = pytest.mark.e2e  # every test runs the probe as a process
 
 
 def closed_port() -> int:

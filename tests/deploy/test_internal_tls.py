@@ -18,6 +18,7 @@ from tandem.serving.security import ClientTLS, ServerTLS, server_credentials
 from tandem.spec.base import DraftState
 from tandem.v1 import target_pb2_grpc
 from tests.deploy.pki import PKI
+from tests.helpers.gateway import EchoTarget
 from tests.service.test_draft_service import (
     LAYERS,
     SPEC,
@@ -26,7 +27,6 @@ from tests.service.test_draft_service import (
     ServerThread,
     ckpts,  # noqa: F401 (a fixture)
 )
-from tests.service.test_gateway import EchoTarget
 
 
 def mtls(pki: PKI) -> ServerTLS:

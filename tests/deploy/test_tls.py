@@ -184,6 +184,7 @@ def test_draft_service_flags_and_environment(
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_target_service_process_refuses_a_missing_certificate(pki: PKI, tmp_path: Path) -> None:
     """The real ``python -m target_service``: exit 2 with the path and the reason, no
     traceback, before any model is loaded."""

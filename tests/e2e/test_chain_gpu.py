@@ -20,9 +20,10 @@ from tandem.apps.launch import Stack, build_stack
 from tandem.testing.random_drafts import make_eagle3_checkpoint
 from tandem.testing.random_model import make_checkpoint
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.e2e.test_services import restart_draft
+from tests.helpers.services import restart_draft
 
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA device"),
 ]

@@ -22,6 +22,8 @@ from tandem.target.engine import Engine
 from tandem.testing.random_model import make_checkpoint
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
+pytestmark = pytest.mark.e2e
+
 NEW_TOKENS = 24
 STREAMS = 32
 

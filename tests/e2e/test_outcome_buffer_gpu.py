@@ -22,6 +22,7 @@ from tests.service.test_draft_service import LAYERS, VOCAB
 from tests.service.test_local_stream import check_outcomes_through_the_buffer
 
 pytestmark = [
+    pytest.mark.e2e,
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA device"),
 ]

@@ -21,7 +21,7 @@ from tandem.spec.types import SpecConfig
 from tandem.testing.random_drafts import make_eagle3_checkpoint
 from tandem.testing.random_model import make_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 S = 3
 BATCH = 2

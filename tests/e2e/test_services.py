@@ -9,25 +9,23 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from tandem.apps.demo import free_port
-from tandem.apps.launch import Service, Stack, build_stack, wait_serving
+from tandem.apps.launch import Service, Stack, build_stack
 from tandem.config import EngineConfig
 from tandem.sampling import SamplingParams
 from tandem.target.engine import Engine
 from tandem.testing.random_drafts import make_eagle3_checkpoint
 from tandem.testing.random_model import make_checkpoint
-from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tandem.v1 import common_pb2
+from tests.helpers.services import NEW_TOKENS, generate, restart_draft, server_info
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-NEW_TOKENS = 24
 STREAMS = 8
 
 
@@ -78,45 +76,6 @@ def start(
     )
     stack.start(log_dir=tmp / "logs")
     return stack
-
-
-async def generate(
-    port: int,
-    prompt_ids: list[list[int]],
-    *,
-    speculate: bool = True,
-    first_chunk: asyncio.Event | None = None,
-) -> list[dict[str, Any]]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-
-        async def one(ids: list[int]) -> dict[str, Any]:
-            request = gateway_pb2.GenerateRequest(
-                token_ids=gateway_pb2.TokenIds(ids=ids),
-                sampling=common_pb2.SamplingParams(
-                    temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True
-                ),
-            )
-            if not speculate:
-                request.speculation.enabled = False
-            tokens: list[int] = []
-            done: Any = None
-            async for response in stub.Generate(request):
-                if response.WhichOneof("payload") == "chunk":
-                    tokens += response.chunk.token_ids
-                    if first_chunk is not None:
-                        first_chunk.set()
-                elif response.WhichOneof("payload") == "complete":
-                    done = response.complete
-            return {"tokens": tokens, "complete": done}
-
-        return list(await asyncio.gather(*(one(p) for p in prompt_ids)))
-
-
-async def server_info(port: int) -> gateway_pb2.GetServerInfoResponse:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-        return await stub.GetServerInfo(gateway_pb2.GetServerInfoRequest())
 
 
 async def generate_watching_lanes(port: int) -> tuple[list[dict[str, Any]], set[int]]:
@@ -200,21 +159,6 @@ def test_killing_the_draft_loses_nothing(
         assert sum(r["complete"].usage.accepted_tokens for r in again) > 0
     finally:
         stack.stop()
-
-
-def restart_draft(draft: Service, gateway: int) -> None:
-    """Starts a killed draft service again (same flags, same port) and waits until the
-    gateway reports the target re-attached."""
-    draft.proc = subprocess.Popen(
-        [sys.executable, "-m", draft.module, *draft.args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wait_serving(draft, 120)
-    deadline = time.monotonic() + 30
-    while asyncio.run(server_info(gateway)).draft_state != common_pb2.DRAFT_STATE_HEALTHY:
-        assert time.monotonic() < deadline, "the target never re-attached to the draft"
-        time.sleep(0.2)
 
 
 def test_stack_stops_cleanly_on_sigterm(ckpts: dict[str, Path], tmp_path: Path) -> None:

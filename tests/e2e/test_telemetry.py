@@ -21,7 +21,9 @@ from tandem.apps.demo import free_port
 from tandem.apps.launch import Stack, build_stack
 from tandem.testing.random_drafts import make_eagle3_checkpoint
 from tandem.testing.random_model import make_checkpoint
-from tests.e2e.test_services import generate
+from tests.helpers.services import generate
+
+pytestmark = pytest.mark.e2e
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):

@@ -45,6 +45,7 @@ def test_every_kernel_has_its_reference_signature() -> None:
         ], field.name
 
 
+@pytest.mark.e2e
 def test_cpu_paths_never_import_triton() -> None:
     code = (
         "import sys, torch\n"
@@ -65,6 +66,7 @@ def test_cpu_paths_never_import_triton() -> None:
     importlib.util.find_spec("triton.backends.nvidia") is None, reason="no NVIDIA backend"
 )
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernel tests compile them")
+@pytest.mark.e2e
 def test_every_kernel_compiles_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(

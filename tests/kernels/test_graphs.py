@@ -101,6 +101,7 @@ def static_engine(ckpts: dict[str, Path], kind: str, page_size: int) -> Engine:
     return engine
 
 
+@pytest.mark.slow  # whole models, captured and eager, in Triton's interpreter on CPU
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("kind", list(SPECS))
 def test_static_buckets_match_eager_steps(

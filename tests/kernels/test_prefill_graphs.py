@@ -109,6 +109,7 @@ def static_engine(ckpts: dict[str, Path], speculate: bool, page_size: int) -> En
     return engine
 
 
+@pytest.mark.slow  # whole models, captured and eager, in Triton's interpreter on CPU
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "eagle3-chain"])
 def test_lone_prompt_chunks_match_eager_steps(

@@ -16,7 +16,7 @@ from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: i
 # isort: split
 from kernels.reference import sample_ref
 from kernels.sample import _sample_partial_kernel, sample
-from tests.kernels.test_reference import nasty_logits
+from tests.helpers.kernel_oracles import nasty_logits
 
 check_mode(_sample_partial_kernel)
 

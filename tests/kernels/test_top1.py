@@ -16,7 +16,7 @@ from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: i
 # isort: split
 from kernels.reference import top1_ref, topk_ref
 from kernels.top1 import _top1_partial_kernel, launch_top1, top1, topk
-from tests.kernels.test_reference import assert_logprobs_close, nasty_logits, oracle_topk
+from tests.helpers.kernel_oracles import assert_logprobs_close, nasty_logits, oracle_topk
 
 check_mode(_top1_partial_kernel)
 

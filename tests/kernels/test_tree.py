@@ -34,7 +34,7 @@ from kernels.tree import (
     verify_greedy,
     verify_sampling,
 )
-from tests.kernels.test_reference import (
+from tests.helpers.kernel_oracles import (
     CHI2_CRITICAL_999_DF63,
     random_sampling_batch,
     two_token_chi2,

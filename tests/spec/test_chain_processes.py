@@ -41,9 +41,12 @@ from tests.spec.test_draft_graphs import make_drafter
 # The halves here hand off by notices alone, which orders CPU work only: on CUDA a notice says
 # the work is enqueued, not done, and the halves wait on each other's events instead
 # (bench/chain_ipc.py runs that on the GPU).
-pytestmark = pytest.mark.skipif(
-    not INTERPRETED, reason="CPU only: notices alone order CPU work, CUDA needs the events"
-)
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        not INTERPRETED, reason="CPU only: notices alone order CPU work, CUDA needs the events"
+    ),
+]
 
 S, W = 3, 4
 PROMPT = [5, 9, 17, 4, 250, 31, 77, 5, 9, 17]

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tandem.testing.random_drafts import make_eagle3_checkpoint
 from tandem.testing.random_model import make_checkpoint
-from tests.unit.test_cli import run_cli
+from tests.helpers.cli import run_cli
+
+pytestmark = pytest.mark.e2e  # every test runs the command line in a subprocess
 
 PROMPTS = ["w10 w20 w30 w10 w20", "w4000 w17"]
 

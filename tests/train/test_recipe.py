@@ -22,6 +22,8 @@ from tandem.train.corpus import path_fraction
 from tandem.train.prompts import read_prompts
 from tests.checkpoints import hf_greedy
 
+pytestmark = pytest.mark.e2e  # the fixture runs bench/train_reference.py as a process
+
 REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 16
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tandem.config import DraftConfig, EngineConfig
 from tandem.draft.build import build_drafter
 from tandem.models.config import ModelConfig
@@ -55,6 +57,7 @@ def test_greedy_equals_transformers_and_drafts_are_lossless() -> None:
         assert sum(r.stats.accepted_tokens for r in results) > 0, kind
 
 
+@pytest.mark.e2e
 def test_generate_defaults_to_the_embedded_family() -> None:
     """No --target: `tandem generate` serves the shipped target with its EAGLE-3 head, and the
     output equals the target alone."""

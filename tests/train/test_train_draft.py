@@ -120,6 +120,7 @@ def test_train_draft_learns_loads_and_is_lossless(
         assert bool((used[1:] > used[:-1]).all()) and bool(head.t2d[used].all())
 
 
+@pytest.mark.e2e
 def test_train_draft_command(target: Path, reference: list[list[int]], tmp_path: Path) -> None:
     words = torch.randint(3, VOCAB, (24, 50), generator=torch.Generator().manual_seed(3))
     lines = [json.dumps({"text": " ".join(f"w{i}" for i in row.tolist())}) for row in words]

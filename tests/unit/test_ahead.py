@@ -60,6 +60,7 @@ def run(
     return [r.token_ids for r in results], [r.finish_reason for r in results]  # type: ignore[misc]
 
 
+@pytest.mark.slow  # transformers' generate and several engines on CPU
 def test_ahead_equals_synchronous_and_transformers(ckpt: Path) -> None:
     ps = prompts(8)
     free = hf_greedy(ckpt, ps, 40)
@@ -103,6 +104,7 @@ def test_sampled_or_penalised_requests_step_synchronously(ckpt: Path) -> None:
         assert outs[0] == outs[1]
 
 
+@pytest.mark.slow  # the engine and transformers' generate on CPU
 def test_full_pool_takes_the_ordinary_step(ckpt: Path) -> None:
     """With a pool too small for everyone, decoding ahead never preempts: the step that
     cannot reserve a slot reads the one in flight and the scheduler preempts as usual."""

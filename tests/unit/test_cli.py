@@ -4,26 +4,15 @@ transformers, compared with transformers' greedy generate."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.checkpoints import load_hf, make_checkpoint
+from tests.helpers.cli import run_cli
 
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TANDEM_LOG_LEVEL": "WARNING"}
-    return subprocess.run(
-        [sys.executable, "-m", "tandem", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
+pytestmark = pytest.mark.e2e  # every test runs the command line in a subprocess
 
 
 def test_generate_json_equals_transformers_greedy(tmp_path: Path) -> None:

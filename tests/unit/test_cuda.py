@@ -13,7 +13,7 @@ from tandem.config import EngineConfig
 from tandem.sampling import SamplingParams
 from tandem.target.engine import Engine
 from tests.checkpoints import ARCHS, hf_greedy, make_checkpoint
-from tests.unit.test_engine import ragged_prompts
+from tests.helpers.engine import ragged_prompts
 
 pytestmark = pytest.mark.gpu
 

@@ -3,7 +3,6 @@ preemption never change it; sampling is seeded per request; no KV page leaks."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from tandem.sampling import SamplingParams
 from tandem.target.engine import Engine
 from tandem.target.scheduler import Scheduler
 from tests.checkpoints import ARCHS, hf_greedy, make_checkpoint
+from tests.helpers.engine import ragged_prompts
 
 NEW_TOKENS = 32
 
@@ -24,12 +24,6 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module", params=ARCHS)
 def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=11)
-
-
-def ragged_prompts(vocab: int, lens: tuple[int, ...] = (1, 7, 20, 33)) -> list[list[int]]:
-    rng = random.Random(3)
-    # Ids >= 3 so no prompt contains EOS/BOS/pad by accident.
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
 
 
 def engine(path: Path, **overrides: Any) -> Engine:
@@ -40,6 +34,7 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, ignore_eos=True)
 
 
+@pytest.mark.slow  # each: the engine and transformers' generate on CPU
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -93,6 +88,7 @@ def test_eos_stops_unless_ignored(tmp_path: Path) -> None:
     assert eng.generate([prompt], greedy(8))[0].token_ids == run
 
 
+@pytest.mark.slow  # the batch, each request alone and a reseed: six generations on CPU
 def test_sampling_is_seeded_per_request_and_batch_independent(ckpt: Path) -> None:
     eng = engine(ckpt)
     prompts = ragged_prompts(eng.model.config.vocab_size)

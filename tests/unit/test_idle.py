@@ -198,6 +198,7 @@ def _profiled(
             p.kill()
 
 
+@pytest.mark.e2e
 def test_two_processes_through_the_arm_file(tmp_path: Path) -> None:
     arm = tmp_path / "arm"
     profiling.arm(arm, tmp_path / "leftover")  # from an earlier run: ignored
@@ -368,6 +369,7 @@ print(window.windows_written[0] if window.windows_written else "none", flush=Tru
 
 
 @pytest.mark.parametrize("step_every_s", [0.0, 0.05])
+@pytest.mark.e2e
 def test_a_follower_covers_the_counting_process_window(tmp_path: Path, step_every_s: float) -> None:
     arm = tmp_path / "arm"
     scripts = [(_LOOP, "target"), (_FOLLOWER, str(step_every_s))]

@@ -71,6 +71,7 @@ CPU_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 def test_a_child_writes_shared_cpu_buffers_this_process_reads(tmp_path: Path) -> None:
     whole = torch.zeros(64, dtype=torch.int64).share_memory_()  # the reader allocates
     table = torch.zeros(4, 8).share_memory_()
@@ -119,6 +120,7 @@ CHILD = textwrap.dedent(
 
 
 @pytest.mark.gpu
+@pytest.mark.e2e
 def test_a_child_writes_a_buffer_this_process_reads_behind_its_event(tmp_path: Path) -> None:
     buf = torch.zeros(1024, dtype=torch.int64, device="cuda")  # the reader allocates
     with _child(tmp_path, CHILD) as conn:

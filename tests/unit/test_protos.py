@@ -153,6 +153,7 @@ def test_grpc_stubs_carry_the_generator_version(name: str) -> None:
     assert f"GRPC_GENERATED_VERSION = '{GRPC_GENERATED_VERSION}'" in source
 
 
+@pytest.mark.e2e
 def test_checked_in_stubs_match_the_protos() -> None:
     result = subprocess.run(
         [sys.executable, str(PROTO_ROOT / "generate.py"), "--check"],
@@ -196,6 +197,7 @@ def test_generate_check_lists_changed_missing_and_stale_stubs(tmp_path: Path) ->
     assert script.diff_stubs(fresh, checked_in) == ["b_pb2.pyi", "c_pb2_grpc.py", "old_pb2.py"]
 
 
+@pytest.mark.e2e
 def test_buf_lint_is_clean() -> None:
     buf = shutil.which("buf") or shutil.which("buf", path=str(Path(sys.executable).parent))
     assert buf is not None, "buf is not installed: the dev extra brings it (buf-bin)"
