@@ -4,7 +4,7 @@ Every loader takes the draft's directory and the target's: drafts borrow the tar
 embedding and ``lm_head`` (read alone from the target's safetensors, tied embeddings followed)
 and must agree with its widths and vocabulary. Loading is strict, as for targets: every
 parameter comes from exactly one tensor, shapes are checked against
-``shared/reference/draft-formats.md`` section 6, unknown or missing tensors raise
+docs/draft-formats.md section 5, unknown or missing tensors raise
 :class:`CheckpointError` naming them, and pickle checkpoints are refused. RoPE comes from the
 draft's own config through :class:`ModelConfig`, exactly as for targets.
 """
@@ -58,7 +58,7 @@ def load_eagle3(
 ) -> Eagle3Module:
     """An EAGLE-3 head (SafeAILab / SpecForge layout; SGLang's ``model.`` prefix accepted).
 
-    Ownership (draft-formats.md 1.6): ``embed_tokens`` is the checkpoint's if present, else the
+    Ownership (docs/draft-formats.md 1.6): ``embed_tokens`` is the checkpoint's if present, else the
     target's (refused when ``hidden_size != target_hidden_size``); ``lm_head`` is the
     checkpoint's, else (only when ``V_d == V``) the embedding if ``tie_word_embeddings``, else
     the target's. ``d2t`` may be absent only when ``V_d == V``; ``t2d`` is derived when absent.

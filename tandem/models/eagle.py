@@ -3,7 +3,7 @@
 Both consume (hidden, token) pairs with shift 1 (see :mod:`tandem.models.draft`) through one
 Llama-style layer whose KV lives in the draft's own paged cache (one KV layer).
 
-- EAGLE-3 (``shared/reference/draft-formats.md`` 1.1-1.7): the target contributes three
+- EAGLE-3 (docs/draft-formats.md section 1): the target contributes three
   auxiliary residual-stream states, concatenated (``[3 * H_t]``) and projected by ``fc``
   (:meth:`Eagle3Module.project_target`). The layer attends over ``[norm(embedding);
   norm(hidden)]`` (``2H`` wide) and returns the *pre-norm* output as the recurrent state;
@@ -100,7 +100,8 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Attention(config, layer_id, input_size=2 * size)
         self.post_attention_layernorm = RMSNorm(size, eps)
         self.mlp = MLP(config)
-        # vLLM / speculators variant (1.7): the residual is the normed hidden, not the raw one.
+        # vLLM / speculators variant (docs/draft-formats.md 1.3): the residual is the normed
+        # hidden, not the raw one.
         self.norm_before_residual = norm_before_residual
 
     def forward(

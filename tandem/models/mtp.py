@@ -1,6 +1,6 @@
 """DeepSeek NextN-style multi-token-prediction heads, adapted to our Llama-family layers.
 
-``shared/reference/draft-formats.md`` 3.1 describes DeepSeek-V3's head; ours keeps its fusion
+docs/draft-formats.md section 3 describes DeepSeek-V3's head; ours keeps its fusion
 and output and swaps MLA/MoE for the target's own decoder layer (``input_layernorm``,
 ``self_attn``, ``post_attention_layernorm``, ``mlp``; q/k norms and biases as the target's
 architecture has them)::

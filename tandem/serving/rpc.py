@@ -277,7 +277,7 @@ def freeze_heap() -> None:
     """Once a service is loaded and warmed up: everything alive (the model, its graphs, a
     tokenizer's tables, the server) leaves the garbage collector's view (``gc.freeze`` after
     a full collection). Otherwise each generation-2 collection walks all of it again, a
-    stalled step each on a large target (bench/bench_target logs them)."""
+    stalled step each on a large target (``TANDEM_TARGET_DIAGNOSTICS`` logs them)."""
     gc.collect()
     gc.freeze()
 

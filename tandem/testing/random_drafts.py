@@ -4,7 +4,7 @@ For tests and demos (never downloaded): EAGLE-3 (SpecForge layout, ``midlayer.*`
 ``t2d``), EAGLE-1 (SafeAILab layout, ``layers.0.*`` without ``input_layernorm``) and DeepSeek
 NextN-style MTP heads (``model.layers.{L + k}.*``), each as ``config.json`` +
 ``model.safetensors``. Tensor names are spelled out here from
-``shared/reference/draft-formats.md``, not derived from our modules, so the loader is tested
+docs/draft-formats.md, not derived from our modules, so the loader is tested
 against the formats rather than against itself.
 
 ``python -m tandem.testing.random_drafts --kind eagle3 --target TARGET_DIR --out DIR``

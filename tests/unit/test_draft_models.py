@@ -1,5 +1,5 @@
 """Draft heads (EAGLE-3, EAGLE-1, MTP) over paged KV equal a dense plain-torch transcription
-of ``shared/reference/draft-formats.md`` that reads the raw checkpoint tensors
+of docs/draft-formats.md that reads the raw checkpoint tensors
 (tests/unit/test_draft_loading.py: the loaders' conventions and errors)."""
 
 from __future__ import annotations
