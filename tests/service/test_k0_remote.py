@@ -23,17 +23,7 @@ from tests.helpers.draft_service import (
     assert_draft_released_all,
     remote_drafter,
 )
-
-
-class Scripted(SpecPolicy):
-    def __init__(self, pattern: list[bool]) -> None:
-        super().__init__()
-        self.pattern, self.step = pattern, 0
-
-    def speculate(self, batch_size: int) -> bool:
-        on = self.pattern[self.step % len(self.pattern)]
-        self.step += 1
-        return on
+from tests.helpers.spec_engine import Scripted
 
 
 def assert_pools_free(engine: Engine, server: ServerThread) -> None:
