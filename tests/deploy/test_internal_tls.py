@@ -18,8 +18,7 @@ from tandem.serving.security import ClientTLS, ServerTLS, server_credentials
 from tandem.spec.base import DraftState
 from tandem.v1 import target_pb2_grpc
 from tests.deploy.pki import PKI
-from tests.helpers.gateway import EchoTarget
-from tests.service.test_draft_service import (
+from tests.helpers.draft_service import (
     LAYERS,
     SPEC,
     Ckpts,
@@ -27,6 +26,7 @@ from tests.service.test_draft_service import (
     ServerThread,
     ckpts,  # noqa: F401 (a fixture)
 )
+from tests.helpers.gateway import EchoTarget
 
 
 def mtls(pki: PKI) -> ServerTLS:

@@ -18,8 +18,7 @@ from tandem.link import messages
 from tandem.link.remote import RemoteDrafter
 from tandem.testing.random_drafts import make_eagle3_checkpoint
 from tandem.testing.random_model import make_checkpoint
-from tests.service.test_draft_service import LAYERS, VOCAB
-from tests.service.test_local_stream import check_outcomes_through_the_buffer
+from tests.helpers.draft_service import LAYERS, VOCAB, check_outcomes_through_the_buffer
 
 pytestmark = [
     pytest.mark.e2e,

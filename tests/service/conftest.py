@@ -1,4 +1,5 @@
-"""Fixtures of the gateway tests: the two test tokenizers."""
+"""Fixtures of the service tests: the two test tokenizers (the gateway's), and the draft
+service's checkpoints and a server on each of its streams."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tandem.testing.random_model import write_tokenizer
+from tests.helpers.draft_service import ckpts, server  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")

@@ -15,30 +15,18 @@ from tandem.config import EngineConfig
 from tandem.sampling import SamplingParams
 from tandem.target.engine import Engine
 from tandem.target.policy import SpecPolicy
-from tests.service.test_draft_service import (  # noqa: F401 (fixtures)
+from tests.helpers.draft_service import (
     SPEC,
     Ckpts,
     Feed,
     ServerThread,
-    _remote,
     assert_draft_released_all,
-    ckpts,
-    server,
+    remote_drafter,
 )
+from tests.helpers.spec_engine import Scripted
 
 
-class Scripted(SpecPolicy):
-    def __init__(self, pattern: list[bool]) -> None:
-        super().__init__()
-        self.pattern, self.step = pattern, 0
-
-    def speculate(self, batch_size: int) -> bool:
-        on = self.pattern[self.step % len(self.pattern)]
-        self.step += 1
-        return on
-
-
-def assert_pools_free(engine: Engine, server: ServerThread) -> None:  # noqa: F811
+def assert_pools_free(engine: Engine, server: ServerThread) -> None:
     """Every page back in the target's pool and the draft's."""
     alloc = engine.kv.allocator
     assert alloc.num_free_pages == alloc.num_pages
@@ -46,7 +34,7 @@ def assert_pools_free(engine: Engine, server: ServerThread) -> None:  # noqa: F8
 
 
 def workload(
-    ckpts: Ckpts,  # noqa: F811
+    ckpts: Ckpts,
     feed: Feed,
     lengths: tuple[int, ...],
     max_new_tokens: int,
@@ -60,8 +48,8 @@ def workload(
 
 @pytest.mark.parametrize("two_lanes", [False, True])
 def test_k0_stretches_through_the_draft_service_equal_target_only(
-    server: ServerThread,  # noqa: F811 (the imported fixture)
-    ckpts: Ckpts,  # noqa: F811
+    server: ServerThread,
+    ckpts: Ckpts,
     two_lanes: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -70,7 +58,7 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
     monkeypatch.setattr(hold, "HELD_BYTES", 64 << 10)  # part flushed during the stretch
     monkeypatch.setattr(hold, "HELD_MAX_BYTES", 64 << 10)
     prompts, params, config, reference = workload(ckpts, Feed(9), (2, 7, 12, 5, 16), 104)
-    remote = _remote(server, deadline_s=10.0)
+    remote = remote_drafter(server, deadline_s=10.0)
     try:
         engine = Engine(config, drafter=remote, spec=SPEC)
         # Short switches (answers in flight when K=0 starts) and one long stretch.
@@ -94,8 +82,8 @@ def test_k0_stretches_through_the_draft_service_equal_target_only(
 
 
 def test_k0_holds_features_for_a_draft_service_as_in_process(
-    server: ServerThread,  # noqa: F811 (the imported fixture)
-    ckpts: Ckpts,  # noqa: F811
+    server: ServerThread,
+    ckpts: Ckpts,
 ) -> None:
     """Toward a draft service K=0 holds features where the step left them (the device on
     CUDA), under the same cap as in process (on CPU the floor HELD_BYTES): a stretch under it
@@ -104,7 +92,7 @@ def test_k0_holds_features_for_a_draft_service_as_in_process(
     from tandem.target import hold
 
     prompts, params, config, reference = workload(ckpts, Feed(3), (6, 11, 4), 40)
-    remote = _remote(server, deadline_s=10.0)
+    remote = remote_drafter(server, deadline_s=10.0)
     try:
         engine = Engine(config, drafter=remote, spec=SPEC)
         engine.policy = Scripted([False])
@@ -132,8 +120,8 @@ def test_k0_holds_features_for_a_draft_service_as_in_process(
 
 
 def test_new_prompts_decode_plainly_while_the_draft_takes_them_in(
-    server: ServerThread,  # noqa: F811 (the imported fixture)
-    ckpts: Ckpts,  # noqa: F811
+    server: ServerThread,
+    ckpts: Ckpts,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A message of INGEST_BYTES of features or more (here: any) is not waited for: with the
@@ -157,7 +145,7 @@ def test_new_prompts_decode_plainly_while_the_draft_takes_them_in(
 
     monkeypatch.setattr(exchange, "INGEST_BYTES", 1)
     prompts, params, config, reference = workload(ckpts, Feed(4), (5, 13, 8), 32)
-    remote = _remote(server, deadline_s=10.0)
+    remote = remote_drafter(server, deadline_s=10.0)
     gate = threading.Event()
     try:
         engine = Engine(config, drafter=remote, spec=SPEC)

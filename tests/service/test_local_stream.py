@@ -1,6 +1,6 @@
 """The local stream (``tandem.link.local``, ``draft_service.local``) on its own: framing,
 the socket's life (private mode, stale and live sockets), what the draft does with a bad
-connection, and when a client takes it. Steps through it run in test_draft_service.py, where
+connection, and when a client takes it. Steps through it run in test_remote_drafter.py, where
 every RemoteDrafter test runs over both streams."""
 
 from __future__ import annotations
@@ -21,23 +21,20 @@ from tandem import wire
 from tandem.errors import InvalidRequest
 from tandem.link import messages
 from tandem.link.local import HEADER, FrameBuffer, LocalLink, check_path, encode
-from tandem.link.local_transport import LocalTransport
 from tandem.link.messages import StreamState
 from tandem.link.prompt_ring import PromptRing
 from tandem.link.remote import RemoteDrafter
-from tandem.spec.base import Drafter
 from tandem.spec.types import VerifyOutcome
 from tandem.v1 import draft_pb2
-from tests.service.test_draft_service import (
-    FEATURES,
+from tests.helpers.draft_service import (
     LAYERS,
     SPEC,
     Ckpts,
     Feed,
     ServerThread,
-    _serve,
-    _wait,
-    ckpts,  # noqa: F401 (a fixture)
+    check_outcomes_through_the_buffer,
+    serve,
+    wait_until,
 )
 
 
@@ -64,8 +61,8 @@ def _read_frame(sock: socket.socket) -> bytes | None:
 
 
 @pytest.fixture
-def served(ckpts: Ckpts, tmp_path: Path) -> Iterator[ServerThread]:  # noqa: F811
-    s = _serve(ckpts, local_socket=str(tmp_path / "draft.sock"))
+def served(ckpts: Ckpts, tmp_path: Path) -> Iterator[ServerThread]:
+    s = serve(ckpts, local_socket=str(tmp_path / "draft.sock"))
     yield s
     s.stop()
 
@@ -116,24 +113,24 @@ def test_socket_is_private_and_reported(served: ServerThread) -> None:
 
 
 def test_stale_socket_is_replaced_live_one_and_files_refused(
-    ckpts: Ckpts,  # noqa: F811
+    ckpts: Ckpts,
     tmp_path: Path,
 ) -> None:
     stale = tmp_path / "stale.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
         dead.bind(str(stale))  # bound, never listening: what a killed process leaves
-    s = _serve(ckpts, local_socket=str(stale))
+    s = serve(ckpts, local_socket=str(stale))
     try:
         sock = _connect(str(stale))  # the new draft serves it
         sock.close()
         with pytest.raises(FileExistsError, match="in use"):
-            _serve(ckpts, local_socket=str(stale))
+            serve(ckpts, local_socket=str(stale))
     finally:
         s.stop()
     regular = tmp_path / "file"
     regular.write_text("not a socket")
     with pytest.raises(FileExistsError, match="not a socket"):
-        _serve(ckpts, local_socket=str(regular))
+        serve(ckpts, local_socket=str(regular))
     assert regular.read_text() == "not a socket"
 
 
@@ -158,7 +155,7 @@ def test_bad_connections_end_and_release_their_requests(served: ServerThread) ->
         answer = draft_pb2.SpeculateResponse.FromString(_read_frame(sock) or b"")
         assert answer.step_id == 1 and [t.request_id for t in answer.trees] == ["a"]
         assert served.num_tracked() == 1
-    _wait(lambda: served.num_tracked() == 0)
+    wait_until(lambda: served.num_tracked() == 0)
 
 
 def test_clients_that_do_not_take_it(served: ServerThread) -> None:
@@ -183,7 +180,7 @@ def test_clients_that_do_not_take_it(served: ServerThread) -> None:
     # (With TLS settings a client never takes it: tests/deploy/test_internal_tls.py.)
 
 
-def test_unreachable_socket_falls_back_to_grpc(ckpts: Ckpts, tmp_path: Path) -> None:  # noqa: F811
+def test_unreachable_socket_falls_back_to_grpc(ckpts: Ckpts, tmp_path: Path) -> None:
     config = DraftServiceConfig(draft=ckpts.draft_config(), local_socket=str(tmp_path / "d.sock"))
     s = ServerThread(config)
     try:
@@ -290,7 +287,7 @@ def test_a_steps_outcome_features_share_one_region_or_go_inline() -> None:
 
 
 def test_outcomes_through_the_drafts_buffer_give_the_same_trees(
-    ckpts: Ckpts,  # noqa: F811
+    ckpts: Ckpts,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -298,42 +295,10 @@ def test_outcomes_through_the_drafts_buffer_give_the_same_trees(
     shared buffer (shared memory here; CUDA IPC in tests/e2e/test_outcome_buffer_gpu.py): the
     draft reads them there and drafts what the in-process drafter does."""
     monkeypatch.setattr(messages, "SHARED_OUTCOME_BYTES", 1)
-    served = _serve(ckpts, local_socket=str(tmp_path / "d.sock"), prompt_buffer_mb=1)
+    served = serve(ckpts, local_socket=str(tmp_path / "d.sock"), prompt_buffer_mb=1)
     remote = RemoteDrafter(served.address, num_target_layers=LAYERS, device="cpu")
     try:
         check_outcomes_through_the_buffer(ckpts.local(), remote, "cpu")
     finally:
         remote.close()
         served.stop()
-
-
-def check_outcomes_through_the_buffer(local: Drafter, remote: RemoteDrafter, device: str) -> None:
-    """``remote`` (its outcome features through the draft's buffer: SHARED_OUTCOME_BYTES
-    lowered) drafts the trees ``local`` does, step after step, and the buffer took every
-    outcome's features."""
-    assert remote.wait_ready(60) and remote.shares_prompts
-    transport = remote.connection.transport
-    assert isinstance(transport, LocalTransport)
-    link = transport.link
-    assert link.ring is not None
-    feed = Feed(3, device)
-    admits = [feed.admit("a", 7), feed.admit("b", 12)]
-    trees = local.step(admits, [], [])
-    assert remote.step(admits, [], []) == trees
-    for step in range(4):
-        staged = link.ring.staged_bytes
-        outcomes = [feed.outcome(r, trees.get(r)) for r in sorted(trees)]
-        if step == 2:  # a run of 30 steps K=0 held, in one outcome
-            outcomes[0] = VerifyOutcome(
-                request_id="a",
-                accepted_token_ids=feed.ids(29),
-                bonus_token_id=feed.ids(1)[0],
-                features=feed.feats(30),
-            )
-        trees = local.step([], outcomes, [])
-        assert remote.step([], outcomes, []) == trees
-        assert any(len(t) > 1 for t in trees.values())
-        rows = sum(len(o.accepted_token_ids) + 1 for o in outcomes)
-        itemsize = link.stream.hidden_dtype.itemsize
-        assert link.ring.staged_bytes - staged == rows * FEATURES * itemsize
-    assert remote.take_dropped() == []

@@ -11,6 +11,7 @@ import pytest
 
 from tandem.config import DraftConfig, EngineConfig
 from tandem.draft.build import build_drafter
+from tandem.draft.drafter import ModelDrafter
 from tandem.sampling import SamplingParams
 from tandem.spec.types import SpecConfig
 from tandem.target.engine import Engine, GenerationResult
@@ -62,6 +63,26 @@ class Checkpoints:
         drafter = None if kind is None else self.drafter(kind, page_size=page_size)
         config = EngineConfig(model=self.target, page_size=page_size, **kw)  # type: ignore[arg-type]
         return Engine(config, drafter=drafter, spec=spec)  # type: ignore[arg-type]
+
+
+def make_drafter(
+    ckpts: Checkpoints, kind: str, device: str, page_size: int = 4, num_pages: int = 512
+) -> ModelDrafter:
+    """A ``ModelDrafter`` of ``kind`` on ``device`` with its own pool, for the tests that reach
+    its graphs and its half of a device cycle."""
+    draft_kind, mode = KINDS[kind]
+    config = DraftConfig(
+        kind=draft_kind,
+        path=ckpts.drafts[kind],
+        target=ckpts.target,
+        mtp_mode=mode,
+        device=device,
+        page_size=page_size,
+        num_pages=num_pages,
+    )
+    drafter = build_drafter(config, LAYERS)
+    assert isinstance(drafter, ModelDrafter)
+    return drafter
 
 
 @pytest.fixture(scope="session")

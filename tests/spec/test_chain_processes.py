@@ -1,6 +1,7 @@
 """The device-chain halves in two processes (docs/device-cycle.md, stage 3): the target half
-here, the draft half in a child process (``chain_peer.py``), their ``Outcome`` and ``Chains``
-buffers shared through ``tandem/link/ipc.py`` (CPU shared memory here, the stand-in for CUDA IPC).
+here, the draft half in a child process (``tests/helpers/chain_peer.py``), their ``Outcome``
+and ``Chains`` buffers shared through ``tandem/link/ipc.py`` (CPU shared memory here, the
+stand-in for CUDA IPC).
 
 Greedy output equals target-only output, and every step accepts exactly what the same halves
 accept in one process with the same draft state. With simulated acceptance the committed
@@ -34,9 +35,8 @@ from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree
 from tandem.target.chain_verify import TargetChain
 from tandem.target.engine import Engine
-from tests.spec.chain_peer import MAX_MODEL_LEN, NOTICE
-from tests.spec.conftest import Checkpoints
-from tests.spec.test_draft_graphs import make_drafter
+from tests.helpers.chain_peer import MAX_MODEL_LEN, NOTICE
+from tests.spec.conftest import Checkpoints, make_drafter
 
 # The halves here hand off by notices alone, which orders CPU work only: on CUDA a notice says
 # the work is enqueued, not done, and the halves wait on each other's events instead
@@ -142,7 +142,7 @@ def two_processes(ckpts: Checkpoints, simulator: AcceptSimulator | None, tmp: Pa
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
     server.listen(1)
-    command = [sys.executable, "-m", "tests.spec.chain_peer", str(path)]
+    command = [sys.executable, "-m", "tests.helpers.chain_peer", str(path)]
     child = subprocess.Popen([*command, str(ckpts.target), str(ckpts.drafts["eagle3"]), str(S)])
     try:
         server.settimeout(300)

@@ -31,15 +31,15 @@ from tandem.spec.types import SpecConfig
 from tandem.target.engine import Engine
 from tandem.v1 import draft_pb2
 from tests.driving import drive
-from tests.service.test_draft_service import ServerThread
-from tests.spec.conftest import LAYERS, Checkpoints
-from tests.spec.test_device_chain import (  # noqa: F401 (reference: a fixture)
+from tests.helpers.device_chain import (  # noqa: F401 (reference: a fixture)
     BATCH_SIZES,
     PLAN,
     reference,
     reference_tokens,
     static_target_buckets,
 )
+from tests.helpers.draft_service import ServerThread
+from tests.spec.conftest import LAYERS, Checkpoints
 
 check_mode(_tree_attention_kernel)
 

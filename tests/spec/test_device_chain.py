@@ -20,34 +20,17 @@ from tandem.sampling import SamplingParams
 from tandem.spec.types import SpecConfig
 from tandem.target.device_chain import ChainRead
 from tandem.target.engine import Engine
-from tandem.target.graphs import graph_widths
 from tests.driving import Arrival, arrivals, drive
-from tests.spec.conftest import VOCAB, Checkpoints
-from tests.spec.test_draft_graphs import make_drafter
+from tests.helpers.device_chain import (  # noqa: F401 (reference: a fixture)
+    BATCH_SIZES,
+    PLAN,
+    reference,
+    reference_tokens,
+    static_target_buckets,
+)
+from tests.spec.conftest import VOCAB, Checkpoints, make_drafter
 
 check_mode(_tree_attention_kernel)
-
-BATCH_SIZES = (1, 2, 4)
-# A request alone first (a long run), then arrivals that end runs and pad batches.
-PLAN = [
-    Arrival(step=0, prompt=[5, 9, 17, 4, 250, 31], max_new_tokens=56),
-    *(
-        Arrival(step=a.step + 10, prompt=a.prompt, max_new_tokens=a.max_new_tokens)
-        for a in arrivals(3, VOCAB, every=8, new_tokens=(6, 36), seed=3)
-    ),
-]
-
-
-def static_target_buckets(engine: Engine, num_steps: int, layers: tuple[int, ...]) -> None:
-    """The target's graph buckets for chains of ``num_steps``, run eagerly on their static
-    buffers (the CPU stand-in for CUDA graphs)."""
-    engine.runner.enable_graphs(
-        batch_sizes=BATCH_SIZES,
-        widths=graph_widths(num_steps + 1),
-        max_model_len=engine.max_model_len,
-        capture_layers=layers,
-        capture=False,
-    )
 
 
 def chain_engine(
@@ -86,20 +69,6 @@ def chain_engine(
     return engine
 
 
-@pytest.fixture(scope="module")
-def reference(ckpts: Checkpoints) -> list[list[int]]:
-    """Target-only greedy outputs of ``PLAN``."""
-    config = EngineConfig(model=ckpts.target, device=str(DEVICE), num_pages=256, cuda_graphs=False)
-    return drive(Engine(config), PLAN)[0]
-
-
-def reference_tokens(ckpts: Checkpoints, prompt: list[int], num: int) -> list[int]:
-    """Target-only greedy continuation of ``prompt``."""
-    config = EngineConfig(model=ckpts.target, device=str(DEVICE), num_pages=64, cuda_graphs=False)
-    params = SamplingParams(max_new_tokens=num, ignore_eos=True)
-    return Engine(config).generate([prompt], params)[0].token_ids
-
-
 def check_pools_empty(engine: Engine) -> None:
     drafter = engine.drafter
     assert drafter is not None and drafter.num_tracked() == 0
@@ -109,7 +78,10 @@ def check_pools_empty(engine: Engine) -> None:
 
 @pytest.mark.parametrize(("kind", "num_steps"), [("eagle3", 3), ("eagle", 5)])
 def test_device_chain_output_equals_target_only(
-    ckpts: Checkpoints, reference: list[list[int]], kind: str, num_steps: int
+    ckpts: Checkpoints,
+    reference: list[list[int]],  # noqa: F811 (the imported fixture)
+    kind: str,
+    num_steps: int,
 ) -> None:
     engine = chain_engine(ckpts, kind, num_steps)
     outputs, _ = drive(engine, PLAN)

@@ -31,7 +31,7 @@ from tandem.spec.base import Drafter
 from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
 from tandem.target.engine import Engine
 from tests.driving import Arrival, arrivals, drive
-from tests.spec.conftest import KINDS, LAYERS, VOCAB, Checkpoints
+from tests.spec.conftest import KINDS, LAYERS, VOCAB, Checkpoints, make_drafter
 
 check_mode(_tree_attention_kernel)
 
@@ -43,24 +43,6 @@ PLAN = [
 GPU_PLAN = arrivals(40, VOCAB, every=5, new_tokens=(16, 80), seed=11)
 BATCH_SIZES = (1, 2, 4, 8)
 ATOL = 1e-4  # carried hidden states: Triton attention on static buffers against the host path
-
-
-def make_drafter(
-    ckpts: Checkpoints, kind: str, device: str, page_size: int = 4, num_pages: int = 512
-) -> ModelDrafter:
-    draft_kind, mode = KINDS[kind]
-    config = DraftConfig(
-        kind=draft_kind,
-        path=ckpts.drafts[kind],
-        target=ckpts.target,
-        mtp_mode=mode,
-        device=device,
-        page_size=page_size,
-        num_pages=num_pages,
-    )
-    drafter = build_drafter(config, LAYERS)
-    assert isinstance(drafter, ModelDrafter)
-    return drafter
 
 
 def test_transposed_draft_weights_change_only_their_layout(ckpts: Checkpoints) -> None:

@@ -1,7 +1,8 @@
-"""The draft process of ``test_chain_processes.py``: a ``DraftChain`` over an EAGLE-3 drafter,
-handing off with the test's target process through ``tandem/link/ipc.py`` buffers.
+"""The draft process of ``tests/spec/test_chain_processes.py``: a ``DraftChain`` over an
+EAGLE-3 drafter, handing off with the test's target process through ``tandem/link/ipc.py``
+buffers.
 
-    python -m tests.spec.chain_peer SOCKET TARGET_DIR DRAFT_DIR NUM_STEPS
+    python -m tests.helpers.chain_peer SOCKET TARGET_DIR DRAFT_DIR NUM_STEPS
 
 The conversation, all frames (``ipc.send_frame``): this process sends its drafter's target
 layers; receives the request's committed tokens and the description of its prompt features
