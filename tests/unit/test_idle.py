@@ -150,7 +150,7 @@ def test_kineto_times_are_time_ns(tmp_path: Path) -> None:
 
 _LOOP = """
 import sys, time, torch
-from tandem import profiling
+from tandem.serving import profiling
 window = profiling.step_window(sys.argv[1], "cpu")
 x = torch.randn(96, 96)
 print("ready", flush=True)
@@ -348,7 +348,7 @@ def test_close_writes_an_open_window(tmp_path: Path) -> None:
 
 _FOLLOWER = """
 import sys, time, torch
-from tandem import profiling
+from tandem.serving import profiling
 window = profiling.step_window("draft", "cpu", follow=True)
 step_every_s = float(sys.argv[1])  # 0: no step ever (a draft while its target runs K=0)
 x = torch.randn(96, 96)
