@@ -7,11 +7,10 @@
 #                                             kernels profile prefill parity invariant chain cpu
 #                                             (default: gpu compiled kernels)
 #
-# One call may run 600 s: `gpu` (every GPU test) took 542 s on an H100 with 88 tests and no
-# longer fits a fresh machine, so it is split: `gpu-low` (tests/kernels, tests/unit,
-# tests/service, tests/train: 255 s for 61 tests), `gpu-spec` (tests/spec, 28 tests) and
-# `gpu-e2e` (tests/e2e: 240 s for 3), a call each (gpu-spec and gpu-e2e together ran past
-# 480 s); run `compiled kernels` in a call of its own too.
+# One call may run 600 s, and `gpu` (every GPU test) no longer fits one on a fresh machine, so
+# it is split: `gpu-low` (tests/kernels, tests/unit, tests/service, tests/train), `gpu-spec`
+# (tests/spec) and `gpu-e2e` (tests/e2e), a call each (each takes several minutes; the last two
+# together may not fit); run `compiled kernels` in a call of its own too.
 #
 # Wheels the image lacks travel in .whl/ (bench/device_wheels.sh makes it; carry ".whl").
 set -uo pipefail

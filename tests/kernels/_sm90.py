@@ -1,4 +1,4 @@
-"""Compiles every Triton kernel launch of the wrappers for sm_90 (H100/H200) without a GPU.
+"""Compiles every Triton kernel launch of the wrappers for sm_90 (Hopper) without a GPU.
 
 Run as a script in its own process (Triton must not be in interpreter mode):
 ``python -m tests.kernels._sm90``. Each wrapper runs on CPU tensors with `JITFunction.run`
