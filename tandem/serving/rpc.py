@@ -8,10 +8,16 @@ message (``google.rpc.Status`` details through grpc-status):
 | exception | code | details |
 |---|---|---|
 | ``InvalidRequest`` | INVALID_ARGUMENT | ``google.rpc.BadRequest`` naming the field |
+| a request message that does not parse | INVALID_ARGUMENT | ``BadRequest`` naming ``request`` |
 | ``NotFound`` | NOT_FOUND | |
 | ``KVExhausted`` | RESOURCE_EXHAUSTED | ``google.rpc.RetryInfo`` (retry in 1 s) |
 | any other ``TandemError`` | INTERNAL | deliberate, so logged without a traceback |
 | anything else | INTERNAL | ``<Type>: <message>``, logged with its traceback |
+
+A request that does not parse (garbage, a truncated message, invalid UTF-8 in a string field)
+never reaches a servicer: the interceptor's deserializer hands the guard a marker instead of
+raising inside gRPC (which would answer UNKNOWN), and the guard answers INVALID_ARGUMENT, for a
+unary request before the method runs, for a request stream when the method reads that message.
 
 Other ``TandemError`` s (e.g. ``CheckpointError``) are server-side conditions a caller cannot
 fix by changing its request, so INTERNAL (CONTRIBUTING.md: "else INTERNAL") rather than
@@ -123,20 +129,62 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             if behavior is not None:
                 factory = getattr(grpc, f"{kind}_rpc_method_handler")
                 return factory(
-                    _guard(behavior, method),
-                    request_deserializer=handler.request_deserializer,
+                    _guard(behavior, method, streaming_requests=kind.startswith("stream_")),
+                    request_deserializer=_lenient(handler.request_deserializer),
                     response_serializer=handler.response_serializer,
                 )
         return handler
 
 
-def _guard(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+class _Undecodable:
+    """A request message that did not parse, in place of the message (``_lenient``)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def refusal(self) -> InvalidRequest:
+        return InvalidRequest("request", f"undecodable message ({self.error})")
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``deserializer`` returning an ``_Undecodable`` instead of raising on bad bytes."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError, whatever its version calls it
+            return _Undecodable(exc)
+
+    return parse
+
+
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A request stream whose undecodable message raises InvalidRequest where it is read."""
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise request.refusal()
+        yield request
+
+
+def _guard(
+    behavior: Callable[..., Any], method: str, *, streaming_requests: bool
+) -> Callable[..., Any]:
     """Wraps a handler, keeping its kind (async generator or coroutine)."""
+
+    def requests(request: Any) -> Any:
+        if streaming_requests:
+            return _checked(request)
+        if isinstance(request, _Undecodable):
+            raise request.refusal()
+        return request
+
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                async for response in behavior(request, context):
+                async for response in behavior(requests(request), context):
                     yield response
             except grpc.aio.AbortError:
                 raise
@@ -147,7 +195,7 @@ def _guard(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await behavior(request, context)
+            return await behavior(requests(request), context)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
@@ -173,11 +221,12 @@ def make_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     maximum_concurrent_rpcs: int | None = None,
 ) -> grpc.aio.Server:
-    """A grpc.aio server with :func:`server_options` and the :class:`ErrorInterceptor` first
-    (outermost), followed by ``interceptors`` (e.g. ``security.BearerTokenAuth``). Call it
-    inside the loop that will serve it; :func:`bind` adds its listening port."""
+    """A grpc.aio server with :func:`server_options`, ``interceptors`` (e.g.
+    ``security.BearerTokenAuth``: a refusal comes before the request is parsed) and the
+    :class:`ErrorInterceptor` innermost, around the servicers. Call it inside the loop that
+    will serve it; :func:`bind` adds its listening port."""
     return grpc.aio.server(
-        interceptors=[ErrorInterceptor(), *interceptors],
+        interceptors=[*interceptors, ErrorInterceptor()],
         options=server_options(max_message_bytes),
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )

@@ -5,8 +5,8 @@ public API.
 Server side::
 
     tls = ServerTLS(cert=..., key=..., client_ca=..., require_client_cert=True)  # mTLS
-    server = serving.make_server(interceptors=[BearerTokenAuth(tokens)])  # public API only
-    port = serving.bind(server, "0.0.0.0:50051", server_credentials(tls))
+    server = rpc.make_server(interceptors=[BearerTokenAuth(tokens)])  # public API only
+    port = rpc.bind(server, "0.0.0.0:50051", server_credentials(tls))
 
 Client side (the gateway's channel to the target, the target's to the draft)::
 
@@ -41,7 +41,7 @@ import argparse
 import hmac
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -321,16 +321,22 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
 
 
 def _refusing(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind that answers UNAUTHENTICATED without running anything."""
+    """A handler of the same kind that answers UNAUTHENTICATED without running anything: a
+    coroutine where the method answers once, an async generator where it streams (what
+    wraps it, the telemetry's interceptor say, iterates a streaming method's handler)."""
 
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+        yield  # unreachable: abort raises; it makes this an async generator
 
     for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
         if getattr(handler, kind) is not None:
             factory = getattr(grpc, f"{kind}_rpc_method_handler")
             return factory(
-                refuse,
+                refuse_stream if kind.endswith("_stream") else refuse,
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
