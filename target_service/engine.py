@@ -67,6 +67,16 @@ class Detach:
     stream_id: int
 
 
+@dataclass(frozen=True)
+class Refuse:
+    """An admit the servicer could not read (an empty id, a NaN temperature): refused, in the
+    order it came, to the stream that sent it; the stream and its other requests go on."""
+
+    stream_id: int
+    request_id: str
+    error: TandemError
+
+
 @dataclass
 class _Streams:
     sinks: dict[int, Sink] = field(default_factory=dict)
@@ -90,7 +100,7 @@ class TargetLoop:
         self._status_interval_s = status_interval_s
         self._admission_window_s = admission_window_s
         self._admission_gap_s = admission_gap_s
-        self._inbox: queue.Queue[Admit | Abort | Move | Detach] = queue.Queue()
+        self._inbox: queue.Queue[Admit | Abort | Move | Detach | Refuse] = queue.Queue()
         self._streams = _Streams()
         self._lock = threading.Lock()  # guards _streams.sinks (servicer adds, loop reads)
         self._stop = threading.Event()
@@ -110,7 +120,7 @@ class TargetLoop:
             self._streams.sinks[stream_id] = sink
         self._last_status = 0.0  # a new stream gets a status right away
 
-    def submit(self, command: Admit | Abort | Move | Detach) -> None:
+    def submit(self, command: Admit | Abort | Move | Detach | Refuse) -> None:
         self._inbox.put(command)
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -175,7 +185,7 @@ class TargetLoop:
             "admission: %d commands in %.1f ms", gathered, (time.monotonic() - start) * 1e3
         )
 
-    def _apply(self, command: Admit | Abort | Move | Detach) -> None:
+    def _apply(self, command: Admit | Abort | Move | Detach | Refuse) -> None:
         if isinstance(command, Admit):
             if command.request_id in self._streams.owner:
                 error = InvalidRequest("request_id", f"{command.request_id!r} is already running")
@@ -199,6 +209,8 @@ class TargetLoop:
         elif isinstance(command, Abort):
             for request_id in command.request_ids:
                 self._abort(request_id, command.reason)
+        elif isinstance(command, Refuse):
+            self._refuse(command.stream_id, command.request_id, command.error)
         elif isinstance(command, Move):
             # Validated by the servicer; ids that just finished are ignored.
             self.engine.set_lane(command.request_ids, command.lane)

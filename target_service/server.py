@@ -14,7 +14,7 @@ from tandem.errors import InvalidRequest
 from tandem.request import FinishReason
 from tandem.target.engine import MAX_LANES
 from tandem.v1 import target_pb2, target_pb2_grpc
-from target_service.engine import Abort, Admit, Detach, Move, TargetLoop
+from target_service.engine import Abort, Admit, Detach, Move, Refuse, TargetLoop
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         async for request in requests:
             which = request.WhichOneof("command")
             if which == "admit":
-                self.loop.submit(self._admit(stream_id, request.admit))
+                try:
+                    command: Admit | Refuse = self._admit(stream_id, request.admit)
+                except InvalidRequest as exc:  # that request is refused, not the stream
+                    command = Refuse(stream_id, request.admit.request_id, exc)
+                self.loop.submit(command)
             elif which == "abort":
-                reason = wire.finish_reason_from_proto(request.abort.finish_reason)
+                try:
+                    reason = wire.finish_reason_from_proto(request.abort.finish_reason)
+                except InvalidRequest as exc:  # the requests end, as aborted
+                    logger.warning("abort with %s; aborting", exc)
+                    reason = None
                 self.loop.submit(
                     Abort(list(request.abort.request_ids), reason or FinishReason.ABORT)
                 )

@@ -176,6 +176,41 @@ def test_refusals_aborts_and_a_closed_stream(target_dir: Path) -> None:
     asyncio.run(run())
 
 
+def test_a_bad_admit_refuses_that_request_only(target_dir: Path) -> None:
+    """Admits the servicer cannot read (an empty id, a NaN temperature) are refused one by
+    one, each naming its field; the stream and the valid requests on it go on to the end."""
+
+    async def run() -> dict[str, list[target_pb2.Commit]]:
+        svc = await start(target_dir)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+                stub = target_pb2_grpc.TargetServiceStub(channel)
+                call = stub.Control()
+                await call.write(admit("before", PROMPTS[0]))
+                await call.write(admit("", PROMPTS[1]))
+                nan = admit("nan", PROMPTS[1])
+                nan.admit.sampling.temperature = float("nan")
+                await call.write(nan)
+                await call.write(admit("after", PROMPTS[2]))
+                commits = await collect(call, {"before", "", "nan", "after"})
+                await call.done_writing()
+                return commits
+        finally:
+            svc.loop.stop()
+            await svc.server.stop(0)
+
+    commits = asyncio.run(run())
+    for request_id, field in (("", "admit.request_id"), ("nan", "admit.sampling.temperature")):
+        (refusal,) = commits[request_id]
+        assert refusal.finish_reason == common_pb2.FINISH_REASON_ERROR
+        assert refusal.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert refusal.error.field == field, refusal.error
+    for request_id in ("before", "after"):
+        final = commits[request_id][-1]
+        assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert sum(len(c.token_ids) for c in commits[request_id]) == 12
+
+
 def test_a_cancelled_stream_leaves_no_task_behind(
     target_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
