@@ -10,7 +10,7 @@ PROMPT ?= def fibonacci(n):
 DRAFT ?=
 DRAFT_KIND ?=
 
-.PHONY: install demo lint protos test test-quick
+.PHONY: install demo lint protos test test-quick compose-test
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,3 +49,10 @@ test: lint
 # lint first. `make test` runs everything, as CI does.
 test-quick: install
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit tests/kernels -m "not gpu and not e2e and not slow"
+
+# compose.yaml for real (tests/deploy/test_compose_up.py): a Docker engine (docker/engine.sh starts
+# one), the base image from Debian's packages (docker/base-image.sh), the CPU image, the cpu profile
+# up and healthy, generations compared with `tandem generate`, the draft killed, down. `make test`
+# runs it too, and skips it where no engine can start; here that fails instead.
+compose-test: install
+	TANDEM_COMPOSE_TEST=require $(PY) -m pytest -q -p no:cacheprovider tests/deploy/test_compose_up.py

@@ -37,6 +37,7 @@ from tandem.config import DraftConfig, EngineConfig
 from tandem.draft.build import build_drafter
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
+from tandem.serving.rpc import channel_options
 from tandem.spec.types import SpecConfig
 from tandem.target.engine import Engine
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -95,7 +96,7 @@ def in_process(args: argparse.Namespace, target: Path, draft: Path | None) -> li
 
 async def control_run(port: int, vocab: int, new_tokens: int) -> list[Cycle]:
     """One request through the target's Control stream; the StepStats of its cycles."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
         outbox: asyncio.Queue[target_pb2.ControlRequest] = asyncio.Queue()
 

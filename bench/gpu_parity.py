@@ -38,6 +38,7 @@ from tandem.apps.launch import build_stack
 from tandem.bench import hf
 from tandem.config import EngineConfig
 from tandem.sampling import SamplingParams
+from tandem.serving.rpc import channel_options
 from tandem.target.engine import Engine
 from tandem.train.prompts import read_prompts
 from tandem.v1 import common_pb2, gateway_pb2_grpc
@@ -66,7 +67,7 @@ async def _through_gateway(
     port: int, prompts: list[list[int]], n: int
 ) -> tuple[list[list[int]], float]:
     sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         records = await asyncio.gather(*(generate_one(stub, p, sampling) for p in prompts))
     accepted = sum(r["accepted_tokens"] for r in records)

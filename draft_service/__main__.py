@@ -75,7 +75,9 @@ def parse_config(argv: Sequence[str] | None = None) -> DraftServiceConfig:
 
 async def run(config: DraftServiceConfig) -> int:
     """Serves until a signal; returns the process exit code (1 if the draft failed to load)."""
-    observability = telemetry.setup("draft_service", metrics_port=config.metrics_port)
+    observability = telemetry.setup(
+        "draft_service", metrics_port=config.metrics_port, metrics_host=config.host
+    )
     server: DraftServer = await start(config)
     print(f"draft service listening on {server.address}", flush=True)
     stop = asyncio.Event()

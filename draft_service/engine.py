@@ -57,6 +57,7 @@ class DraftInfo:
     target_layer_ids: tuple[int, ...]  # draft.proto convention: -1 = last hidden after norm
     hidden_size: int  # the target's; feature_size = len(target_layer_ids) * hidden_size
     hidden_dtype: torch.dtype
+    max_model_len: int  # the target's positions: no prompt is longer
 
     @property
     def feature_size(self) -> int:
@@ -223,6 +224,7 @@ class DraftEngine:
             ),
             hidden_size=target.hidden_size,
             hidden_dtype=self.dtype,
+            max_model_len=target.max_position_embeddings,
         )
         self._drafter, self._model = drafter, model
         self._warm_up(info)

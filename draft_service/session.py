@@ -33,9 +33,6 @@ from tandem.v1 import common_pb2, draft_pb2
 
 logger = logging.getLogger(__name__)
 
-# Benchmarks: with this set, every step is appended there as one JSON line (``StepLog``).
-_MAX_ITEMSIZE = 8  # bytes per feature element at most (float64): caps a tensor by its shape
-
 
 @dataclass
 class _Pending:
@@ -125,6 +122,12 @@ class _Session:
         self.pending.pop(msg.request_id, None)  # a re-admission starts over
         if self.lengths.pop(msg.request_id, None) is not None:
             work.released.append(msg.request_id)
+        if len(msg.prompt_token_ids) >= self.info.max_model_len:
+            raise InvalidRequest(
+                f"{path}.prompt_token_ids",
+                f"{len(msg.prompt_token_ids)} tokens fill the {self.info.max_model_len}-token "
+                "context",
+            )
         admit = self._convert_admit(msg, None, step_spec, path)
         spec, limit = admit.spec, self.max_spec
         if spec.num_steps > limit.num_steps or spec.topk > limit.topk:
@@ -132,10 +135,13 @@ class _Session:
         if spec.tree_size > limit.tree_size:
             raise InvalidRequest(f"{path}.speculation.num_draft_tokens", "above this draft's N")
         assembler = None
-        if self.info.target_layer_ids:
-            cap = len(msg.prompt_token_ids) * self.info.feature_size * _MAX_ITEMSIZE
+        if self.info.target_layer_ids:  # exactly [L, F] of the negotiated dtype
+            expect = self._features(len(msg.prompt_token_ids))
             assembler = wire.FrameAssembler(
-                max_bytes=cap, path=f"prompt_frames[{msg.request_id}]", shared=self.shared
+                max_bytes=expect.nbytes,
+                path=f"prompt_frames[{msg.request_id}]",
+                shared=self.shared,
+                expect=expect,
             )
         self.pending[msg.request_id] = _Pending(
             msg=msg,
@@ -167,10 +173,11 @@ class _Session:
         rows = len(msg.accepted_token_ids) + 1
         outcome = wire.outcome_from_proto(
             msg,
-            rows * self.info.feature_size * _MAX_ITEMSIZE,
+            self._features(rows).nbytes,
             path=path,
             vocab_size=self.info.target_vocab_size,
             feature_size=self.info.feature_size,
+            feature_dtype=self.info.hidden_dtype,
             shared=self.shared,
         )
         if self.info.target_layer_ids and outcome.features is None:
@@ -186,6 +193,11 @@ class _Session:
         else:
             self.lengths[request_id] = expected
             work.outcomes.append(outcome)
+
+    def _features(self, rows: int) -> wire.Expected:
+        """The features of ``rows`` tokens as the stream negotiated them (GetInfo's hidden
+        dtype and feature size): frames announcing anything else are refused unread."""
+        return wire.Expected(self.info.hidden_dtype, (rows, self.info.feature_size))
 
     def _complete(self, p: _Pending) -> DraftAdmit:
         """The admit with every buffered outcome merged in."""

@@ -40,7 +40,9 @@ SERVICE = Flags(
     GatewayConfig,
     (
         *("target_addr", "tokenizer", "host", "port", "max_running", "max_queue"),
+        *("max_request_bytes", "slow_reader_timeout_s"),
         *("two_lane_batch", "reflection", "grace_s", "log_level", "metrics_port"),
+        "failover_wait_s",
     ),
     env_prefix=ENV,
 )
@@ -95,6 +97,7 @@ class Gateway:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.client.close()
+        self.servicer.prompts.close()
 
 
 async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> Gateway:
@@ -103,7 +106,11 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
     if tokenizer is None:
         tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer)
     auth = [security.BearerTokenAuth(config.auth_tokens)] if config.auth_tokens else []
-    server = rpc.make_server(max_message_bytes=config.max_message_bytes, interceptors=auth)
+    server = rpc.make_server(
+        max_message_bytes=config.max_request_bytes,
+        interceptors=auth,
+        screens={f"/{SERVICE_NAME}/Generate": lambda data: servicer.screen(data)},
+    )
     health = rpc.add_health(server, [SERVICE_NAME])
 
     async def on_connection_change(connected: bool) -> None:
@@ -128,7 +135,9 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
 
 
 async def main(config: GatewayConfig) -> None:
-    observability = telemetry.setup("gateway", metrics_port=config.metrics_port)
+    observability = telemetry.setup(
+        "gateway", metrics_port=config.metrics_port, metrics_host=config.host
+    )
     gateway = await start_gateway(config)
     rpc.freeze_heap()  # the tokenizer's tables, above all
     logger.info(

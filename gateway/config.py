@@ -9,7 +9,16 @@ from pathlib import Path
 from tandem.serving.rpc import parse_address
 from tandem.serving.security import MIN_TOKEN_CHARS, ClientTLS, ServerTLS
 from tandem.serving.telemetry import METRICS_PORT, check_metrics_port
-from tandem.settings import GRACE, HOST, LOG_LEVEL, PORT, REFLECTION, TWO_LANE_BATCH, setting
+from tandem.settings import (
+    FAILOVER_WAIT,
+    GRACE,
+    HOST,
+    LOG_LEVEL,
+    PORT,
+    REFLECTION,
+    TWO_LANE_BATCH,
+    setting,
+)
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -33,6 +42,19 @@ class GatewayConfig:
         help="requests waiting for admission; beyond it RESOURCE_EXHAUSTED",
         env="MAX_QUEUE",
     )
+    max_request_bytes: int = setting(
+        8 << 20,
+        help="largest public request message in bytes; a bigger one is refused with "
+        "RESOURCE_EXHAUSTED before it is read",
+        env="MAX_REQUEST_BYTES",
+    )
+    slow_reader_timeout_s: float = setting(
+        30.0,
+        help="seconds a Generate stream waits for its client to take a message before it is "
+        "cut off, its admission slot and the target's pages freed",
+        env="SLOW_READER_TIMEOUT",
+        flag="slow-reader-timeout",
+    )
     reflection: bool = setting(False, like=REFLECTION)
     grace_s: float = setting(10.0, like=GRACE)  # SIGTERM: drain this long before exiting
     log_level: str = setting("INFO", like=LOG_LEVEL)
@@ -40,8 +62,9 @@ class GatewayConfig:
     max_stop_string_chars: int = 256
     retry_after_s: float = 1.0  # RetryInfo.retry_delay sent with RESOURCE_EXHAUSTED
     target_timeout_s: float = 5.0  # unary calls to the target (GetInfo)
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = 64 << 20  # the channel to the target, either direction
     two_lane_batch: int = setting(16, like=TWO_LANE_BATCH)  # 0 = always one lane
+    failover_wait_s: float = setting(60.0, like=FAILOVER_WAIT)  # gateway/failover.py
     tls: ServerTLS | None = None  # TLS on the public port; None = plain
     # Accepted bearer tokens for the public API (health exempt); empty = no authentication.
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
@@ -79,10 +102,20 @@ class GatewayConfig:
             raise ValueError(f"retry_after_s: must be > 0, got {self.retry_after_s}")
         if self.target_timeout_s <= 0:
             raise ValueError(f"target_timeout_s: must be > 0, got {self.target_timeout_s}")
+        if not 0 <= self.failover_wait_s < float("inf"):
+            raise ValueError(
+                f"failover_wait_s: must be >= 0 and finite, got {self.failover_wait_s}"
+            )
         if self.two_lane_batch < 0:
             raise ValueError(f"two_lane_batch: must be >= 0, got {self.two_lane_batch}")
         if self.max_message_bytes < 1 << 20:
             raise ValueError("max_message_bytes: must be at least 1 MiB")
+        if self.max_request_bytes < 64 << 10:
+            raise ValueError("max_request_bytes: must be at least 64 KiB")
+        if self.slow_reader_timeout_s <= 0:
+            raise ValueError(
+                f"slow_reader_timeout_s: must be > 0, got {self.slow_reader_timeout_s}"
+            )
         object.__setattr__(self, "auth_tokens", tuple(self.auth_tokens))
         if any(len(token) < MIN_TOKEN_CHARS for token in self.auth_tokens):
             raise ValueError(f"auth_tokens: each needs at least {MIN_TOKEN_CHARS} characters")

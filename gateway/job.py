@@ -1,4 +1,4 @@
-"""A Generate request at the gateway: `prepare` validates and tokenizes it into a `Job`, the
+"""A Generate request at the gateway: `prepare` validates it, its prompt read, into a `Job`, the
 record the servicer (`gateway/server.py`) keeps from receipt to its last message."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 from opentelemetry import propagate, trace
 
@@ -38,6 +37,14 @@ class Job:
     span: trace.Span | None = None  # the request's span, until it ends
     aborting: bool = False  # an Abort call asked for it
     finished: bool = False  # its last message is decided
+    closed: bool = False  # gone from the servicer: slot released, target told
+    key: tuple[str, str] = ("", "")  # (principal, request id): the servicer's key for it
+    # Its first target id (unique at this gateway): its admission slot and failover record
+    # keep it when a re-admission gives it another (``gateway.failover``).
+    origin: str = ""
+
+    def __post_init__(self) -> None:
+        self.origin = self.origin or self.admit.request_id
 
     @property
     def target_id(self) -> str:
@@ -47,14 +54,15 @@ class Job:
 def prepare(
     request: gateway_pb2.GenerateRequest,
     *,
-    tokenizer: Any,
+    prompt_ids: list[int],
     info: target_pb2.TargetServiceGetInfoResponse,
     config: GatewayConfig,
     running: Collection[str],
     received_ns: int,
     seq: int,
 ) -> Job:
-    """Validates and tokenizes a request; InvalidRequest names the offending field.
+    """Validates a request whose prompt is read (``gateway.prompt``: its size checked, its
+    text tokenized); InvalidRequest names the offending field.
 
     The id on the control stream is the client's id plus the gateway's sequence number, so a
     client may reuse an id as soon as its request ended here, even while the target is still
@@ -67,21 +75,7 @@ def prepare(
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
     else:
         request_id = uuid.uuid4().hex
-    which = request.WhichOneof("prompt")
-    if which is None:
-        raise InvalidRequest("prompt", "set text or token_ids")
-    if which == "text":
-        if not request.text:
-            raise InvalidRequest("text", "must not be empty")
-        prompt_ids = [int(t) for t in tokenizer(request.text)["input_ids"]]
-    else:
-        prompt_ids = list(request.token_ids.ids)
-    if not prompt_ids:
-        raise InvalidRequest(which, "the prompt has no tokens")
-    if bad := [t for t in prompt_ids if t >= info.vocab_size]:
-        raise InvalidRequest(which, f"ids {bad[:4]} outside [0, {info.vocab_size})")
-    if (room := info.max_model_len - len(prompt_ids)) < 1:
-        raise InvalidRequest(which, f"{len(prompt_ids)} tokens fill the context of the model")
+    room = info.max_model_len - len(prompt_ids)  # >= 1: the prompt reader checked
     sampling = request.sampling
     if sampling.HasField("max_new_tokens") and sampling.max_new_tokens > room:
         raise InvalidRequest(

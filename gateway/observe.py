@@ -22,7 +22,12 @@ OPERATION = "text_completion"
 
 
 class GatewayObserver:
-    def __init__(self, model: Callable[[], str], queue: Callable[[], tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        model: Callable[[], str],
+        queue: Callable[[], tuple[int, int]],
+        connected: Callable[[], bool] = lambda: True,
+    ) -> None:
         self._tracer = trace.get_tracer("tandem.gateway")
         self._model = model  # the target's model id, once known
         meter = metrics.get_meter("tandem.gateway")
@@ -45,6 +50,13 @@ class GatewayObserver:
                 (queue()[0], {"state": "running"}),
                 (queue()[1], {"state": "queued"}),
             ],
+        )
+        telemetry.gauge(
+            meter,
+            "tandem.gateway.target_connected",
+            "1",
+            "1 while the control stream to the target is up (its numbers are known), else 0",
+            lambda: [(int(connected()), {})],
         )
 
     def start(self, request_id: str, admit: target_pb2.AdmitCommand) -> trace.Span:

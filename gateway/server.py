@@ -1,10 +1,11 @@
 """The public `GatewayService`: a thin grpc.aio servicer over the target's control stream.
 
-`Generate` validates and tokenizes the request (`prepare`), takes an admission slot,
-admits the request at the target, and turns its commits into chunks (incremental text, stop
-strings matched here) and one completion. Everything that ends a request early goes back to the
-target as an `AbortCommand`: a matched stop string (finish STOP), an `Abort` call or a client
-that went away (finish ABORT), so the target frees the request's pages at once.
+`Generate` reads the prompt within its bounds (`gateway.prompt`), validates the request
+(`prepare`), takes an admission slot, admits the request at the target, and turns its commits
+into chunks (incremental text, stop strings matched here) and one completion. Everything that
+ends a request early goes back to the target as an `AbortCommand`: a matched stop string (finish
+STOP), an `Abort` call, a client that went away or stopped reading (finish ABORT;
+`gateway.slow_readers`), so the target frees the request's pages at once.
 """
 
 from __future__ import annotations
@@ -24,11 +25,17 @@ from grpc_status import rpc_status
 from gateway.admission import Admission, Overloaded, Withdrawn
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
+from gateway.failover import Failover
 from gateway.job import Job, prepare
 from gateway.lanes import LanePlanner, Move
 from gateway.observe import GatewayObserver
-from gateway.target_client import TargetClient, TargetUnavailable
+from gateway.prompt import PromptReader
+from gateway.scope import JobKey, OwnedIds
+from gateway.screen import screen_generate
+from gateway.slow_readers import CUT_OFF_CODE, ReadWatch
+from gateway.target_client import RequestStream, TargetClient, TargetUnavailable
 from tandem import __version__
+from tandem.serving.principal import Principals
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
 
 logger = logging.getLogger(__name__)
@@ -47,14 +54,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.prompts = PromptReader(tokenizer)
         self.client = client
         self.admission = admission
+        self.failover = Failover(client, config.failover_wait_s)
         self.started_ns = time.monotonic_ns()
-        self._jobs: dict[str, Job] = {}  # queued or running, by request id
+        self._jobs: dict[JobKey, Job] = {}  # queued or running, by principal and request id
+        self.principals = Principals(
+            tokens=bool(config.auth_tokens),
+            client_certs=config.tls is not None and config.tls.require_client_cert,
+        )
         self.lanes = LanePlanner(config.two_lane_batch)  # by target id
         self.observe = GatewayObserver(
             model=lambda: self.client.info.model_id if self.client.info else "",
             queue=lambda: (self.admission.num_running, self.admission.num_waiting),
+            connected=lambda: self.client.connected,
         )
         self._seq = itertools.count(1)
 
@@ -62,44 +76,78 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         received_ns = time.monotonic_ns()
+        principal = self.principals.of(context)
         try:  # InvalidRequest goes to the error interceptor: INVALID_ARGUMENT + BadRequest
-            if self.client.info is None:
+            info = self.client.info
+            if info is None:
                 raise TargetUnavailable("the target has not connected yet")
+            if not self.client.connected:  # only requests accepted before a loss wait for it
+                raise TargetUnavailable(self.client.lost)
+            prompt_ids = await self.prompts.read(request, info)  # tokenized off the loop
             job = prepare(
                 request,
-                tokenizer=self.tokenizer,
-                info=self.client.info,
+                prompt_ids=prompt_ids,
+                info=info,
                 config=self.config,
-                running=self._jobs.keys(),
+                running=OwnedIds(self._jobs, principal),
                 received_ns=received_ns,
                 seq=next(self._seq),
             )
         except TargetUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        self._jobs[job.request_id] = job
+        job.key = (principal, job.request_id)
+        self._jobs[job.key] = job
         job.span = self.observe.start(job.request_id, job.admit)
+        watch = ReadWatch(self.config.slow_reader_timeout_s, lambda: self._cut_off(job, watch))
         try:
             async for response in self._run(job, context):
-                yield response
+                watch.writing()
+                yield response  # returns once the transport took it (flow control)
+                watch.written()
+                if watch.expired and not job.finished:
+                    await context.abort(CUT_OFF_CODE, watch.reason)
         finally:
-            if job.span is not None:  # ended without a completion: an error or a cancel
-                usage = common_pb2.Usage(
-                    prompt_tokens=len(job.prompt_ids), completion_tokens=len(job.completion_ids)
-                )
-                self._end_span(job, common_pb2.FINISH_REASON_ABORT, usage, "no completion sent")
-            del self._jobs[job.request_id]
-            self.admission.release(job.request_id)
-            if job.admitted and not job.finished:
-                # The client went away (cancellation) or the servicer failed: free the target.
-                self.client.abort([job.target_id], common_pb2.FINISH_REASON_ABORT)
-            self.client.forget(job.target_id)
-            self._send_moves(self.lanes.finish(job.target_id))
+            watch.written()
+            self._close(job)
+
+    def screen(self, data: bytes) -> None:
+        """A Generate request's bytes, checked before they are parsed (``gateway.screen``)."""
+        if (info := self.client.info) is not None:
+            screen_generate(
+                data,
+                max_model_len=info.max_model_len,
+                bytes_per_token=self.prompts.bytes_per_token,
+            )
+
+    def _cut_off(self, job: Job, watch: ReadWatch) -> None:
+        logger.warning("request %s: %s", job.request_id, watch.reason)
+        self._close(job, watch.reason)
+
+    def _close(self, job: Job, why: str = "no completion sent") -> None:
+        """Ends a request here, once: its span, its admission slot and lane, and at the target
+        (aborted there unless it finished)."""
+        if job.closed:
+            return
+        job.closed = True
+        if job.span is not None:  # ended without a completion: an error, a cancel, a cut-off
+            usage = common_pb2.Usage(
+                prompt_tokens=len(job.prompt_ids), completion_tokens=len(job.completion_ids)
+            )
+            self._end_span(job, common_pb2.FINISH_REASON_ABORT, usage, why)
+        del self._jobs[job.key]
+        self.admission.release(job.origin)
+        if job.admitted and not job.finished:
+            # The client went away (cancellation) or the servicer failed: free the target.
+            self.client.abort([job.target_id], common_pb2.FINISH_REASON_ABORT)
+        self.client.forget(job.target_id)
+        self.failover.forget(job.origin)
+        self._send_moves(self.lanes.finish(job.target_id))
 
     async def _run(
         self, job: Job, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
-            await self.admission.acquire(job.request_id)
+            await self.admission.acquire(job.origin)
         except Overloaded as exc:
             await self._overloaded(context, str(exc))
         except Withdrawn:
@@ -112,8 +160,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             job.span.add_event("admitted", {"tandem.lane": lane})
         try:
             stream = self.client.admit(job.admit)
-        except TargetUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except TargetUnavailable as exc:  # lost while the request was queued: it waits too
+            previous = job.target_id
+            try:
+                finish = await self.failover.resume(job, exc)
+            except TargetUnavailable as gone:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(gone))
+            if finish is not None:
+                job.finished = True
+                yield self._complete(job, finish)
+                return
+            stream = await self._readmit(job, previous, context)
         self._send_moves(moves)
         job.admitted = True
         job.admitted_ns = time.monotonic_ns()
@@ -128,12 +185,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 timeout = None if stops.matched is None else self.config.target_timeout_s
                 commit = await asyncio.wait_for(stream.next(), timeout)
             except (TimeoutError, TargetUnavailable) as exc:
-                job.finished = True
                 if stops.matched is not None:  # the outcome was decided before the failure
+                    job.finished = True
                     yield self._complete(job, common_pb2.FINISH_REASON_STOP, None, stops.matched)
                     return
-                commit = target_pb2.Commit(finish_reason=common_pb2.FINISH_REASON_ERROR)
-                commit.error.code, commit.error.message = code_pb2.UNAVAILABLE, str(exc)
+                previous = job.target_id  # the timeout only runs after a stop string
+                try:
+                    finish = await self.failover.resume(job, TargetUnavailable(str(exc)))
+                except TargetUnavailable as gone:
+                    job.finished = True
+                    commit = target_pb2.Commit(finish_reason=common_pb2.FINISH_REASON_ERROR)
+                    commit.error.code, commit.error.message = code_pb2.UNAVAILABLE, str(gone)
+                else:
+                    if finish is None:
+                        stream = await self._readmit(job, previous, context)
+                        continue
+                    job.finished = True
+                    yield self._complete(job, finish)
+                    return
             if commit.finish_reason == common_pb2.FINISH_REASON_ERROR:
                 job.finished = True
                 error = commit.error
@@ -163,6 +232,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 job.finished = True
                 yield self._complete(job, commit.finish_reason, commit, stops.matched)
                 return
+
+    async def _readmit(
+        self, job: Job, previous: str, context: grpc.aio.ServicerContext
+    ) -> RequestStream:
+        """Admits a request's continuation (``Failover.resume`` made ``job.admit`` it, under a
+        new id) in a lane; UNAVAILABLE if the target went again in between."""
+        admit = job.admit
+        moves = self.lanes.finish(previous)
+        admit.lane_id, more = self.lanes.admit(admit.request_id)
+        try:
+            stream = self.client.admit(admit)
+        except TargetUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self._send_moves([*moves, *more])
+        return stream
 
     def _send_moves(self, moves: list[Move]) -> None:
         for move in moves:
@@ -202,7 +286,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         chunk = gateway_pb2.GenerateChunk(
             token_ids=token_ids,
             text=text if job.detokenize else "",
-            logprobs=list(commit.logprobs)[: len(token_ids)],
+            # Only when asked for: the target reports them for every commit.
+            logprobs=list(commit.logprobs)[: len(token_ids)] if job.admit.sampling.logprobs else [],
         )
         if job.continuous_usage:
             chunk.usage.prompt_tokens = len(job.prompt_ids)
@@ -272,13 +357,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.AbortResponse:
         aborted: list[str] = []
+        principal = self.principals.of(context)  # only the caller's own requests
         for request_id in dict.fromkeys(request.request_ids):
-            job = self._jobs.get(request_id)
+            job = self._jobs.get((principal, request_id))
             if job is None or job.finished or job.aborting:
                 continue
             job.aborting = True
+            self.failover.abort(job.origin)
             if not job.admitted:
-                self.admission.withdraw(request_id)
+                self.admission.withdraw(job.origin)
             else:
                 self.client.abort([job.target_id], common_pb2.FINISH_REASON_ABORT)
             aborted.append(request_id)
@@ -306,7 +393,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def GetServerInfo(
         self, request: gateway_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GetServerInfoResponse:
-        status = self.client.status or target_pb2.TargetStatus()
+        # The target's word, only while its stream is up: never numbers from before an outage.
+        status = self.client.status if self.client.connected else None
         info = self.client.info or target_pb2.TargetServiceGetInfoResponse()
         speculation = common_pb2.SpeculationParams(
             enabled=info.draft_kind != common_pb2.DRAFT_KIND_UNSPECIFIED, draft_kind=info.draft_kind
@@ -327,14 +415,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             version=__version__,
             speculation=speculation,
             lanes=lanes,
-            draft_state=(
-                status.draft_state if self.client.connected else common_pb2.DRAFT_STATE_UNSPECIFIED
-            ),
-            target_kv_usage=status.kv_usage,
-            num_running=status.num_running,
-            num_waiting=status.num_waiting + self.admission.num_waiting,
+            num_waiting=self.admission.num_waiting,
             uptime_ns=time.monotonic_ns() - self.started_ns,
+            target_connected=self.client.connected,
         )
-        if status.HasField("draft_kv_usage"):
-            response.draft_kv_usage.CopyFrom(status.draft_kv_usage)
+        if status is not None:
+            response.verify_steps = status.verify_steps
+            response.drafted_steps = status.drafted_steps
+            response.steps_without_tree.CopyFrom(status.steps_without_tree)
+            response.draft_state = status.draft_state
+            response.target_kv_usage.CopyFrom(status.kv_usage)
+            response.num_running = status.num_running
+            response.num_waiting += status.num_waiting
+            if status.HasField("draft_kv_usage"):
+                response.draft_kv_usage.CopyFrom(status.draft_kv_usage)
         return response

@@ -6,13 +6,15 @@ callback (the gateway's health). Commands go out through a queue, so `admit` and
 block and can be called from a cancelled task. Commits come back on the same stream and are
 routed to one asyncio queue per request; when the stream breaks, every request in flight gets
 `TargetUnavailable` at once (docs/design.md section 8: no hang), and the target, seeing the stream
-end, aborts them and frees their pages.
+end, aborts them and frees their pages. The servicer then carries them over to the target that
+comes back (`gateway/failover.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -91,10 +93,20 @@ class TargetClient:
         self.accept_length = 0.0  # moving average of committed tokens per request and step
         self.lane_accept_length: dict[int, float] = {}  # the same, per lane
         self.num_connects = 0  # control streams opened so far (1 + reconnections)
+        self._lost: tuple[float, str] | None = None  # when and why the last stream broke
 
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def lost(self) -> str:
+        """Why the target is not connected, for an UNAVAILABLE's message."""
+        if self._lost is None:
+            return f"target {self.address} is not connected"
+        at, reason = self._lost
+        ago = time.monotonic() - at
+        return f"target {self.address} is not connected (lost {ago:.1f} s ago: {reason})"
 
     @property
     def num_in_flight(self) -> int:
@@ -126,7 +138,7 @@ class TargetClient:
     def admit(self, admit: target_pb2.AdmitCommand) -> RequestStream:
         """Sends an admit; the returned stream yields the request's commits."""
         if self._outbox is None or not self.connected:
-            raise TargetUnavailable(f"target {self.address} is not connected")
+            raise TargetUnavailable(self.lost)
         if admit.request_id in self._streams:
             raise ValueError(f"request {admit.request_id!r} is already in flight")
         stream = RequestStream(admit.request_id)
@@ -191,7 +203,9 @@ class TargetClient:
                 self._connected.clear()
                 self._outbox = None
                 call.cancel()
+                self.status = self.last_stats = None  # unknown until the target speaks again
             logger.warning("target %s lost: %s; reconnecting", self.address, reason)
+            self._lost = (time.monotonic(), reason)
             self._fail_all(TargetUnavailable(f"target {self.address} unavailable: {reason}"))
             await self._notify(False)
             # A target that answers GetInfo but drops Control at once must not make a hot loop.

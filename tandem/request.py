@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.sampling import SamplingParams
-from tandem.spec.types import SpecStats, Tree
+from tandem.spec.types import NoTree, SpecStats, Tree
 
 
 class FinishReason(enum.Enum):
@@ -42,6 +42,11 @@ class Request:
     speculate: bool = True  # per-request opt-out; False decodes with trees of one node
     tree: Tree | None = None  # the draft's proposal for the next step, node 0 = tokens[-1]
     in_draft: bool = False  # the draft tracks it (admitted after its prompt, until released)
+    # Its prompt is on its way into a draft service (``DraftExchange``): it sits out speculating
+    # steps until the draft has taken it in and its first tree is back.
+    parked: bool = False
+    readmissions: int = 0  # times it was recomputed to go back into a draft that had lost it
+    miss: NoTree | None = None  # why it has no tree for its next step, where known
     lane: int = 0  # the group it steps with (docs/design.md section 5)
     trace_context: dict[str, str] = field(default_factory=dict)  # for the draft's span
     draft_seq: int = 0  # submissions to the draft so far; a tree answers the latest one only

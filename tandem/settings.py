@@ -364,3 +364,9 @@ TWO_LANE_BATCH = Setting(
     "verifies the other) from this many on; 0 = always one lane",
     env="TWO_LANE_BATCH",
 )
+FAILOVER_WAIT = Setting(
+    help="seconds an in-flight request waits for a lost target to come back (then it is "
+    "re-admitted with what it streamed) before it fails with UNAVAILABLE; 0 = fail at once",
+    env="FAILOVER_WAIT",
+    flag="failover-wait",
+)

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tandem import __version__, settings, transfer
+from tandem import __version__, settings, transfer, wire
 from tandem.config import EngineConfig
 from tandem.sampling import SamplingParams
 from tandem.serving import diagnostics, rpc, security, step_log, telemetry
@@ -28,9 +28,10 @@ from tandem.serving.step_log import StepLog
 from tandem.settings import Flags, SettingsParser
 from tandem.spec import simulate
 from tandem.spec.base import Drafter, DraftState, DraftStatus
-from tandem.spec.types import SpecConfig
+from tandem.spec.types import SpecConfig, StepCounts
 from tandem.target.engine import Engine
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service import draft_health
 from target_service.config import TargetServiceConfig
 from target_service.engine import TargetLoop
 from target_service.server import TargetServicer
@@ -126,7 +127,9 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
 
 
 async def main(config: TargetServiceConfig) -> None:
-    observability = telemetry.setup("target_service", metrics_port=config.metrics_port)
+    observability = telemetry.setup(
+        "target_service", metrics_port=config.metrics_port, metrics_host=config.host
+    )
     server = rpc.make_server(max_message_bytes=config.max_message_bytes)
     health = rpc.add_health(server)
     drafter = None
@@ -171,10 +174,16 @@ async def main(config: TargetServiceConfig) -> None:
     loop.start()
     await health.set("", rpc.SERVING)
     await health.set("tandem.v1.TargetService", rpc.SERVING)
+    if drafter is not None:  # the draft's state as a health entry of its own
+        state = drafter.status
+        mirror = draft_health.mirror(health, lambda: state().state, config.status_interval_s)
+        mirroring = asyncio.create_task(mirror)
     logger.info("target service ready on %s:%d", config.host, port)
     print(f"READY target {config.host}:{port}", flush=True)
 
     def shutdown() -> None:
+        if drafter is not None:
+            mirroring.cancel()
         loop.stop()
         if drafter is not None:
             drafter.close()
@@ -208,6 +217,7 @@ def warm_up(engine: Engine) -> None:
     initialisation or a kernel compile (tests/spec/test_cuda_compiles.py); the speculation
     policy then starts measuring afresh (those steps compiled kernels)."""
     engine.generate([[0]] * len(WARM_UP_PARAMS), list(WARM_UP_PARAMS))
+    engine.step_counts = StepCounts()
     if engine.policy is not None:
         engine.policy.reset()
 
@@ -226,6 +236,10 @@ def status(engine: Engine, drafter: Drafter | None) -> target_pb2.TargetStatus:
         out.draft_kv_usage.pages_total = draft.kv_pages_total
         out.draft_kv_usage.pages_used = draft.kv_pages_used
         out.draft_kv_usage.page_size = draft.kv_page_size
+    counts = engine.step_counts
+    out.verify_steps = counts.verify_steps
+    out.drafted_steps = counts.drafted_steps
+    out.steps_without_tree.CopyFrom(wire.without_tree_to_proto(counts.without_tree))
     return out
 
 

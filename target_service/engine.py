@@ -120,6 +120,10 @@ class TargetLoop:
             self._streams.sinks[stream_id] = sink
         self._last_status = 0.0  # a new stream gets a status right away
 
+    def status(self) -> target_pb2.TargetStatus:
+        """The pool and draft state now (counts read off the engine thread: a snapshot)."""
+        return self._status()
+
     def submit(self, command: Admit | Abort | Move | Detach | Refuse) -> None:
         self._inbox.put(command)
 
@@ -377,6 +381,7 @@ def _step_stats(stats: SpecStats) -> target_pb2.StepStats:
         num_accepted_tokens=stats.accepted_tokens,
         num_accepted_per_pos=stats.accepted_per_position,
         num_committed_tokens=stats.accepted_tokens + stats.verify_steps,
+        without_tree=wire.without_tree_to_proto(stats.without_tree),
     )
 
 

@@ -43,6 +43,10 @@ class TargetObserver:
         self.verify_steps = counter(
             "tandem.spec_decode.verify_steps", description="request verifications, K=0 included"
         )
+        self.without_tree = counter(
+            "tandem.spec_decode.steps_without_tree",
+            description="request decode steps without a draft token, by cause (attribute reason)",
+        )
         self.fallback_steps = counter(
             "tandem.spec_decode.fallback_steps",
             description="lane steps without trees because the draft was late or gone",
@@ -155,6 +159,8 @@ class TargetObserver:
         for position, count in enumerate(stats.accepted_per_position):
             self.accepted_per_pos.add(count, {"position": position})
         self.verify_steps.add(stats.verify_steps)
+        for cause, n in stats.without_tree.items():
+            self.without_tree.add(n, {"reason": str(cause)})
         for length in stats.accept_lengths:
             self.accept_length.record(length)
         self.step_duration.record(timing.total_ns / 1e9, {"lane": lane})

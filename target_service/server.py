@@ -15,6 +15,7 @@ from tandem.request import FinishReason
 from tandem.target.engine import MAX_LANES
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import Abort, Admit, Detach, Move, Refuse, TargetLoop
+from target_service.streams import StreamScope
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[target_pb2.ControlResponse]:
         stream_id = next(self._ids)
+        scope = StreamScope(stream_id)  # its ids are its own
         outbox: asyncio.Queue[target_pb2.ControlResponse] = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
 
@@ -39,7 +41,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             event_loop.call_soon_threadsafe(outbox.put_nowait, message)
 
         self.loop.attach(stream_id, sink)
-        reader = asyncio.create_task(self._read(stream_id, request_iterator))
+        reader = asyncio.create_task(self._read(stream_id, scope, request_iterator))
         get: asyncio.Task[target_pb2.ControlResponse] | None = None
         logger.info("gateway stream %d attached", stream_id)
         try:
@@ -47,7 +49,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 get = asyncio.create_task(outbox.get())
                 done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if get in done:
-                    yield get.result()
+                    yield scope.outward(get.result())
                     continue
                 reader.result()  # re-raise a reader error
                 return  # the gateway closed its side
@@ -61,15 +63,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             logger.info("gateway stream %d detached", stream_id)
 
     async def _read(
-        self, stream_id: int, requests: AsyncIterator[target_pb2.ControlRequest]
+        self,
+        stream_id: int,
+        scope: StreamScope,
+        requests: AsyncIterator[target_pb2.ControlRequest],
     ) -> None:
         async for request in requests:
             which = request.WhichOneof("command")
             if which == "admit":
                 try:
-                    command: Admit | Refuse = self._admit(stream_id, request.admit)
+                    command: Admit | Refuse = self._admit(stream_id, scope, request.admit)
                 except InvalidRequest as exc:  # that request is refused, not the stream
-                    command = Refuse(stream_id, request.admit.request_id, exc)
+                    command = Refuse(stream_id, scope.inward(request.admit.request_id), exc)
                 self.loop.submit(command)
             elif which == "abort":
                 try:
@@ -78,18 +83,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     logger.warning("abort with %s; aborting", exc)
                     reason = None
                 self.loop.submit(
-                    Abort(list(request.abort.request_ids), reason or FinishReason.ABORT)
+                    Abort(scope.inward_all(request.abort.request_ids), reason or FinishReason.ABORT)
                 )
             elif which == "lane_assignment":
                 move = request.lane_assignment
                 if move.lane_id >= MAX_LANES:
                     logger.warning("ignoring a move to lane %d of %d", move.lane_id, MAX_LANES)
                     continue
-                self.loop.submit(Move(list(move.request_ids), move.lane_id))
+                self.loop.submit(Move(scope.inward_all(move.request_ids), move.lane_id))
             else:
                 logger.debug("ignoring control command %s (not implemented yet)", which)
 
-    def _admit(self, stream_id: int, admit: target_pb2.AdmitCommand) -> Admit:
+    def _admit(self, stream_id: int, scope: StreamScope, admit: target_pb2.AdmitCommand) -> Admit:
         if not admit.request_id:
             raise InvalidRequest("admit.request_id", "must not be empty")
         params = wire.sampling_from_proto(
@@ -98,7 +103,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         speculate = not (admit.speculation.HasField("enabled") and not admit.speculation.enabled)
         return Admit(
             stream_id=stream_id,
-            request_id=admit.request_id,
+            request_id=scope.inward(admit.request_id),
             prompt_ids=list(admit.prompt_token_ids),
             params=params,
             speculate=speculate,
@@ -111,4 +116,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         request: target_pb2.TargetServiceGetInfoRequest,
         context: grpc.aio.ServicerContext,
     ) -> target_pb2.TargetServiceGetInfoResponse:
-        return self.info
+        info = target_pb2.TargetServiceGetInfoResponse()
+        info.CopyFrom(self.info)
+        info.status.CopyFrom(self.loop.status())  # "now", as the contract says
+        return info

@@ -19,7 +19,15 @@ import typer
 from tandem.apps.embedded import defaults as embedded_defaults
 from tandem.bench.cli import bench
 from tandem.config import DraftConfig, EngineConfig
-from tandem.settings import DRAFT_DEADLINE, LOG_LEVEL, TWO_LANE_BATCH, Flags, Option, typer_options
+from tandem.settings import (
+    DRAFT_DEADLINE,
+    FAILOVER_WAIT,
+    LOG_LEVEL,
+    TWO_LANE_BATCH,
+    Flags,
+    Option,
+    typer_options,
+)
 from tandem.spec.types import SpecConfig
 from tandem.train.cli import train_draft
 
@@ -253,23 +261,42 @@ def _num_layers(target: Path) -> int:
     SPEC,
     Option.of(DRAFT_DEADLINE, "draft_deadline_s", float, 1.0),
     Option.of(TWO_LANE_BATCH, "two_lane_batch", int, 16),
+    Option.of(FAILOVER_WAIT, "failover_wait_s", float, 60.0),
 )
 def serve(
     gateway_port: Annotated[int, typer.Option(help="Public gRPC port.")] = 50051,
+    gateway_host: Annotated[
+        str | None,
+        typer.Option(
+            help="Interface the gateway listens on (0.0.0.0: every one) "
+            "[default: TANDEM_GATEWAY_HOST, else 127.0.0.1]."
+        ),
+    ] = None,
     target_port: Annotated[int, typer.Option(help="Target service port.")] = 50052,
     draft_port: Annotated[int, typer.Option(help="Draft service port.")] = 50053,
     log_dir: Annotated[
-        Path | None, typer.Option(help="Write each service's log here instead of the terminal.")
+        Path | None,
+        typer.Option(help="Each service's log goes here (default: a new temporary directory)."),
     ] = None,
+    max_restarts: Annotated[
+        int,
+        typer.Option(
+            envvar="TANDEM_MAX_RESTARTS",
+            help="Restarts in a row of a service that keeps dying, before it is left down.",
+        ),
+    ] = 5,
     **settings: Any,
 ) -> None:
-    """Start draft, target and gateway as three local processes; Ctrl-C stops all three."""
+    """Start draft, target and gateway as three local processes and restart any that dies;
+    Ctrl-C stops all three."""
     import signal as signals
+    import tempfile
     import time
 
     from rich.console import Console
 
-    from tandem.apps.launch import build_stack
+    from tandem.apps.launch import build_stack, resolve_gateway_host
+    from tandem.apps.supervise import RestartPolicy, Supervisor
     from tandem.errors import CheckpointError
 
     drafting = DRAFT.pick(settings)
@@ -277,10 +304,14 @@ def serve(
         target, draft, draft_kind, embedded = embedded_defaults(
             settings["target"], drafting["path"], drafting["kind"]
         )
+        policy = RestartPolicy(max_restarts=max_restarts)
     except CheckpointError as exc:
         raise typer.BadParameter(str(exc), param_hint="--target") from None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--max-restarts") from None
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
     if embedded:
-        Console(stderr=True).print(f"serving the embedded reference model ({target.parent})")
+        err.print(f"serving the embedded reference model ({target.parent})")
     stack = build_stack(
         target=target,
         draft=draft,
@@ -295,8 +326,12 @@ def serve(
         draft_port=draft_port,
         draft_deadline_s=settings["draft_deadline"],
         two_lane_batch=settings["two_lane_batch"],
+        gateway_env={"TANDEM_GATEWAY_FAILOVER_WAIT": str(settings["failover_wait"])},
+        gateway_host=gateway_host,
     )
-    err = Console(stderr=True)
+    if log_dir is None:  # a start-up error is then one line naming its log, not a traceback
+        log_dir = Path(tempfile.mkdtemp(prefix="tandem-serve-"))
+    err.print(f"logs in {log_dir}")
     stopping = False
 
     def stop(signum: int, _: object) -> None:
@@ -311,17 +346,19 @@ def serve(
                 log_dir=log_dir,
                 on_ready=lambda s: err.print(f"[green]ready[/green] {s.name} on port {s.port}"),
             )
-        err.print(f"[bold]serving[/bold] on 127.0.0.1:{gateway_port} (Ctrl-C stops)")
-        while not stopping:
-            dead = stack.dead()
-            if dead:
-                names = ", ".join(f"{s.name} (exit {s.proc.returncode})" for s in dead if s.proc)
-                err.print(f"[red]stopped:[/red] {names}")
-                raise typer.Exit(1)
+        host = resolve_gateway_host(gateway_host)
+        err.print(f"[bold]serving[/bold] on {host}:{gateway_port} (Ctrl-C stops)")
+        supervisor = Supervisor(
+            stack, policy, log_dir=log_dir, report=lambda line: typer.echo(line, err=True)
+        )
+        while not stopping and supervisor.serving:
+            supervisor.tick()
             time.sleep(0.2)
+        if not stopping:
+            raise typer.Exit(1)
     except (RuntimeError, TimeoutError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from exc
+        typer.echo(f"error: {exc}", err=True)  # one line, however wide the terminal
+        raise typer.Exit(1) from None
     finally:
         with err.status("stopping services"):
             stack.stop()

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from tandem.serving.rpc import channel_options
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 _FINISH = {
@@ -74,7 +75,7 @@ def generate_remote(
     """All prompts concurrently through the gateway at ``address``; prompt i gets seed+i."""
 
     async def run() -> list[dict[str, Any]]:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             jobs = []
             for i, prompt in enumerate(prompts):

@@ -21,6 +21,7 @@ from rich.console import Console
 from tandem.apps.embedded import defaults as embedded_defaults
 from tandem.apps.embedded import family_dir
 from tandem.apps.launch import build_stack
+from tandem.serving.rpc import channel_options
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
@@ -43,7 +44,7 @@ def random_models(root: Path) -> tuple[Path, Path]:
 
 
 async def stream(port: int, prompt: str, max_new_tokens: int, out: Console) -> dict[str, Any]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         request = gateway_pb2.GenerateRequest(
             text=prompt,

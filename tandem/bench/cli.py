@@ -1,8 +1,11 @@
 """``tandem bench``: the command line over ``tandem.bench.run`` (docs/performance.md).
 
-Without ``--target`` it benchmarks a preset of random-weight checkpoints, written first (on
-``--device``) under ``--models-dir`` and reused by later runs: ``tiny`` for a CPU smoke run,
-``llama-3.1-8b`` (bf16, EAGLE-3 head with a 32000-token draft vocabulary) for a GPU.
+With ``--preset`` it benchmarks random-weight checkpoints, written first (on ``--device``) under
+``--models-dir`` and reused by later runs: ``tiny`` for a CPU smoke run, ``llama-3.1-8b``
+(bf16, EAGLE-3 head with a 32000-token draft vocabulary) for a GPU. With neither ``--preset``
+nor ``--target`` it benchmarks the embedded reference family (``tandem.apps.embedded``: its
+target, EAGLE-3 head and standalone draft LM as the assistant) on its held-out prompts, so the
+acceptance is real; ``--target`` with ``--prompts`` does the same for any checkpoint pair.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import typer
 
 from tandem.bench.presets import PRESETS
 from tandem.config import DraftConfig, EngineConfig
+from tandem.errors import CheckpointError
 from tandem.settings import TWO_LANE_BATCH, Flags, Option, typer_options
 from tandem.spec.types import SpecConfig
 
@@ -46,7 +50,7 @@ TARGET = Flags(
     shown={"model": "a --preset's", "dtype": "the preset's"},
 )
 DRAFT = Flags(DraftConfig, ("path",), title="Draft")
-SPEC = Flags(SpecConfig, ("num_steps",), title="Speculation")
+SPEC = Flags(SpecConfig, ("num_steps", "topk", "num_draft_tokens"), title="Speculation")
 
 
 @typer_options(TARGET, DRAFT, SPEC, Option.of(TWO_LANE_BATCH, "two_lane_batch", int, 16))
@@ -58,6 +62,14 @@ def bench(
     assistant: Annotated[
         Path | None,
         typer.Option(help="Standalone LM with the target's tokenizer (transformers' assisted)."),
+    ] = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            help='JSONL of {"text": ...} prompts, tokenised with the target\'s tokenizer and '
+            "cut to their last --prompt-len tokens (default: the reference family's held-out "
+            "prompts when it is benchmarked, else synthetic ids of --prompt-len)."
+        ),
     ] = None,
     models_dir: Annotated[
         Path, typer.Option(help="Where presets are written (reused when present).")
@@ -113,8 +125,9 @@ def bench(
     an EAGLE-3 head for --target."""
     from rich.console import Console
 
+    from tandem.apps.embedded import defaults, family_dir
     from tandem.bench import report
-    from tandem.bench.inprocess import Workload
+    from tandem.bench.inprocess import Workload, real_prompts
     from tandem.bench.run import BenchConfig, run_bench
 
     err = Console(stderr=True)
@@ -125,7 +138,17 @@ def bench(
         engine["dtype"],
         engine["device"],
     )
-    if target is None:
+    if target is None and preset is None:  # the reference family, real acceptance
+        try:
+            target, draft, _, _ = defaults(None, draft, None)
+        except CheckpointError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--target") from exc
+        family = family_dir()
+        if assistant is None and (family / "model" / "config.json").is_file():
+            assistant = family / "model"
+        if prompts is None:
+            prompts = family / "prompts" / "heldout.jsonl"
+    elif target is None:
         name = preset or "tiny"
         if name not in PRESETS:
             raise typer.BadParameter(
@@ -137,6 +160,7 @@ def bench(
     elif preset is not None:
         raise typer.BadParameter("give --preset or --target, not both", param_hint="--preset")
     try:
+        token_ids = () if prompts is None else real_prompts(prompts, target, prompt_len)
         config = BenchConfig(
             target=target,
             draft=draft,
@@ -148,8 +172,12 @@ def bench(
                 new_tokens=new_tokens,
                 warmup_tokens=warmup_tokens,
                 rounds=rounds,
+                token_ids=token_ids,
             ),
+            prompts_from=None if prompts is None else _shown(prompts),
             spec_steps=settings["spec_steps"],
+            spec_topk=settings["spec_topk"],
+            spec_tokens=settings["spec_tokens"],
             simulate_accept_length=engine["simulate_accept_length"],
             device=device,
             dtype=dtype or "float32",
@@ -162,7 +190,7 @@ def bench(
             profile_start=profile_start,
             batch_invariant=engine["batch_invariant"],
         )
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     if config.simulate_accept_length is not None:
         err.print(
@@ -187,6 +215,14 @@ def bench(
     else:
         sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory where it is under it (the header's width)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _write_preset(

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tandem.bench.inprocess import Workload, fill_latency, prompts
+from tandem.bench.inprocess import Workload, fill_latency
 from tandem.bench.report import Row
 from tandem.config import torch_dtype
 
@@ -37,6 +37,15 @@ def load(path: Path, dtype: str, device: str) -> Any:
     return model.to(device).eval()
 
 
+def _left_padded(batch: list[list[int]], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids [bs, longest] left-padded with 0 and their attention mask (real prompts differ in
+    length)."""
+    longest = max(len(p) for p in batch)
+    ids = [[0] * (longest - len(p)) + p for p in batch]
+    mask = [[0] * (longest - len(p)) + [1] * len(p) for p in batch]
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
@@ -44,7 +53,11 @@ def _sync(device: str) -> None:
 
 @torch.inference_mode()
 def _timed(
-    model: Any, ids: torch.Tensor, new_tokens: int, assistant: Any, assist: dict[str, Any]
+    model: Any,
+    batch: tuple[torch.Tensor, torch.Tensor],  # ids, attention mask
+    new_tokens: int,
+    assistant: Any,
+    assist: dict[str, Any],
 ) -> float:
     from transformers import GenerationConfig
 
@@ -55,12 +68,13 @@ def _timed(
         pad_token_id=0,
         **assist,
     )
+    ids, mask = batch
     device = str(ids.device)
     _sync(device)
     start = time.perf_counter()
     model.generate(
         ids,
-        attention_mask=torch.ones_like(ids),
+        attention_mask=mask,
         generation_config=config,
         assistant_model=assistant,
     )
@@ -91,14 +105,14 @@ def run(
     hook = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     try:
         if w.warmup_tokens:
-            batch = torch.tensor(prompts(vocab, batch_size, w.prompt_len, 99), device=device)
+            batch = _left_padded(w.batch(vocab, batch_size, 99), device)
             _timed(model, batch, w.warmup_tokens, assistant, assist)
         row = Row(mode=mode, batch_size=batch_size)
         tpots: list[float] = []
         ttfts: list[float] = []
         forwards_total = 0
         for r in range(w.rounds):
-            batch = torch.tensor(prompts(vocab, batch_size, w.prompt_len, r), device=device)
+            batch = _left_padded(w.batch(vocab, batch_size, r), device)
             first = _timed(model, batch, 1, assistant, assist)
             forwards[0] = 0
             total = _timed(model, batch, w.new_tokens, assistant, assist)

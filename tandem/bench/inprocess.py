@@ -33,6 +33,16 @@ class Workload:
     new_tokens: int  # generated per request (ignore_eos)
     warmup_tokens: int  # a warm-up round at each batch size first; 0 = none
     rounds: int  # measured rounds of batch_size concurrent requests
+    # Real prompts (token ids, each at most prompt_len long); empty: synthetic ids.
+    token_ids: tuple[tuple[int, ...], ...] = ()
+
+    def batch(self, vocab: int, batch_size: int, salt: int = 0) -> list[list[int]]:
+        """A round's prompts: the real ones in turn from round ``salt``'s place (cycling
+        through them), or synthetic ids (:func:`prompts`)."""
+        if not self.token_ids:
+            return prompts(vocab, batch_size, self.prompt_len, salt)
+        n = len(self.token_ids)
+        return [list(self.token_ids[(salt * batch_size + i) % n]) for i in range(batch_size)]
 
 
 def prompts(vocab: int, batch_size: int, prompt_len: int, salt: int = 0) -> list[list[int]]:
@@ -42,6 +52,19 @@ def prompts(vocab: int, batch_size: int, prompt_len: int, salt: int = 0) -> list
         [(7919 * (i + 1) + 31 * j + 1009 * salt) % span + 4 for j in range(prompt_len)]
         for i in range(batch_size)
     ]
+
+
+def real_prompts(path: Path, tokenizer_dir: Path, prompt_len: int) -> tuple[tuple[int, ...], ...]:
+    """The prompts of a JSONL file of ``{"text": ...}`` records (a family's
+    ``prompts/heldout.jsonl``), tokenised with ``tokenizer_dir``'s tokenizer, each cut to its
+    last ``prompt_len`` tokens (the end is what the continuation follows)."""
+    from tandem.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+    if not texts:
+        raise ValueError(f"{path}: no prompts")
+    return tuple(tuple(tokenizer(t)["input_ids"][-prompt_len:]) for t in texts)
 
 
 def pages_needed(max_batch: int, w: Workload, tree_size: int, page_size: int) -> int:
@@ -122,14 +145,14 @@ def run(
     ``steps_file``, every measured step as one JSON line (mode, requests, tokens, times)."""
     vocab = engine.model.config.vocab_size
     if w.warmup_tokens:
-        _round(engine, prompts(vocab, batch_size, w.prompt_len, salt=99), w.warmup_tokens)
+        _round(engine, w.batch(vocab, batch_size, salt=99), w.warmup_tokens)
     steps = _Steps([], [], [])
     stats: list[SpecStats] = []
     tpots: list[float] = []
     ttfts: list[float] = []
     duration, tokens = 0.0, 0
     for r in range(w.rounds):
-        out = _round(engine, prompts(vocab, batch_size, w.prompt_len, salt=r), w.new_tokens, steps)
+        out = _round(engine, w.batch(vocab, batch_size, salt=r), w.new_tokens, steps)
         duration += out.duration
         tokens += out.tokens
         stats += out.stats
@@ -178,6 +201,12 @@ def fill_acceptance(row: Row, stats: list[SpecStats], num_positions: int) -> Non
         for d, n in enumerate(s.accepted_per_position[:num_positions]):
             per_pos[d] += n
     row.acceptance_per_position = [n / drafts for n in per_pos] if drafts else []
+    row.tree_fraction = drafts / verify_steps if verify_steps else None
+    causes: dict[str, int] = {}
+    for s in stats:
+        for cause, n in s.without_tree.items():
+            causes[cause.value] = causes.get(cause.value, 0) + n
+    row.without_tree = {k: n for k, n in sorted(causes.items()) if n}
 
 
 @dataclass

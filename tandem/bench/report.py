@@ -37,6 +37,10 @@ class Row:
     tokens_per_s: float | None = None  # output tokens / wall time (prefill included)
     accept_length: float | None = None  # tokens per verify step, bonus included
     acceptance_per_position: list[float] = field(default_factory=list)  # accepted / drafted
+    # The mean accept length forced on the target (tandem.spec.simulate), where simulated.
+    simulated_accept_length: float | None = None
+    tree_fraction: float | None = None  # decode steps that verified a tree / all decode steps
+    without_tree: dict[str, int] = field(default_factory=dict)  # the other steps, by cause
     tpot_p50_ms: float | None = None  # per request: (last - first token time) / (tokens - 1)
     tpot_p99_ms: float | None = None
     ttft_p50_ms: float | None = None
@@ -86,6 +90,7 @@ _COLUMNS: list[tuple[str, str, int]] = [  # (field, header, width)
     ("batch_size", "bs", 4),
     ("tokens_per_s", "tok/s", 9),
     ("accept_length", "accept", 6),
+    ("tree_fraction", "tree", 5),
     ("acceptance_per_position", "acc/pos", 17),
     ("tpot_p50_ms", "TPOT p50", 9),
     ("tpot_p99_ms", "TPOT p99", 9),
@@ -98,6 +103,7 @@ _COLUMNS: list[tuple[str, str, int]] = [  # (field, header, width)
     ("sol_fraction", "SOL", 5),
     ("note", "note", 0),
 ]
+_SIMULATED = ("simulated_accept_length", "sim", 4)  # only in a run with simulated acceptance
 _IDLE_COLUMNS = [  # only in a run with --profile-idle
     ("idle_per_device", "GPU idle", 9),
     ("verify_turn_ms", "v_turn", 7),
@@ -123,15 +129,24 @@ def table(rows: list[Row], header: dict[str, Any]) -> str:
     lines = [f"{title:=^72}"]
     lines += [f"{k + ':':<40} {v!s:<10}".rstrip() for k, v in header.items()]
     lines.append("-" * 72)
-    columns = _COLUMNS
+    columns = list(_COLUMNS)
+    simulated = any(r.simulated_accept_length for r in rows)
+    if simulated:
+        columns.insert(columns.index(("accept_length", "accept", 6)) + 1, _SIMULATED)
     profiled = any(r.idle_per_device for r in rows)
     if profiled:
-        columns = [*_COLUMNS[:-1], *_IDLE_COLUMNS, _COLUMNS[-1]]
+        columns = [*columns[:-1], *_IDLE_COLUMNS, columns[-1]]
     lines.append(" ".join(_cell(h, w) if w else h for _, h, w in columns))
     for row in rows:
         values = asdict(row)
+        values["note"] = _note(row)
         lines.append(" ".join(_cell(values[f], w) for f, _, w in columns).rstrip())
-    lines.append("times in ms; acc/pos = accepted / drafted per draft position; see docs")
+    lines.append(
+        "times in ms; acc/pos = accepted / drafted per draft position; tree = decode steps "
+        "that verified a tree (no tree: the others by cause); see docs"
+    )
+    if simulated:
+        lines.append("sim = the simulated accept length forced on the target (perf only)")
     if profiled:
         lines.append(
             "GPU idle = idle fraction of each GPU over a profiled round (tandem.bench.idle); "
@@ -140,6 +155,14 @@ def table(rows: list[Row], header: dict[str, Any]) -> str:
         )
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def _note(row: Row) -> str:
+    """The row's note, with its decode steps without a tree by cause where there were any."""
+    causes = ", ".join(f"{k} {v}" for k, v in sorted(row.without_tree.items()) if v)
+    if not causes:
+        return row.note
+    return "; ".join(x for x in (row.note, f"no tree: {causes}") if x)
 
 
 def to_json(rows: list[Row], header: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,17 @@ ALL_MODES = (
     "services-grpc",
     "hf",
 )
+# Rows that verify drafts (what simulated acceptance forces).
+SPECULATING = (
+    "spec",
+    "spec-chain",
+    "services",
+    "services-control",
+    "services-chain",
+    "services-chain-control",
+    "services-grpc",
+)
+CHAINS_ONLY = "skipped: device-chain steps run chains only (K=1)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +60,10 @@ class BenchConfig:
     modes: tuple[str, ...] = ALL_MODES
     batch_sizes: tuple[int, ...] = (1, 8, 32, 64)
     workload: Workload
-    spec_steps: int = 3
+    prompts_from: str | None = None  # where workload.token_ids came from (the header says)
+    spec_steps: int = 3  # S
+    spec_topk: int = 1  # K: 1 is a chain
+    spec_tokens: int | None = None  # N, node 0 included (None: S+1)
     simulate_accept_length: float | None = None  # perf only (tandem.spec.simulate)
     device: str = "cpu"
     dtype: str = "float32"
@@ -77,16 +91,23 @@ class BenchConfig:
         w = self.workload
         if w.prompt_len < 1 or w.new_tokens < 2 or w.rounds < 1 or w.warmup_tokens < 0:
             raise ValueError("workload: prompt_len >= 1, new_tokens >= 2, rounds >= 1")
-        if self.simulate_accept_length is not None:
-            SpecConfig(num_steps=self.spec_steps)  # validates S
-            if not 1.0 <= self.simulate_accept_length <= self.spec_steps + 1:
-                raise ValueError(
-                    f"simulate_accept_length: must be in [1, S+1] = [1, {self.spec_steps + 1}]"
-                )
+        _ = self.spec  # validates S, K and N (InvalidRequest is a ValueError)
+        simulated = self.simulate_accept_length
+        if simulated is not None and not 1.0 <= simulated <= self.spec_steps + 1:
+            raise ValueError(
+                f"simulate_accept_length: must be in [1, S+1] = [1, {self.spec_steps + 1}]"
+            )
 
     @cached_property
     def spec(self) -> SpecConfig:
-        return SpecConfig(num_steps=self.spec_steps, topk=1)
+        return SpecConfig(
+            num_steps=self.spec_steps, topk=self.spec_topk, num_draft_tokens=self.spec_tokens
+        )
+
+    @property
+    def chain(self) -> bool:
+        """Whether the drafts are chains (K=1): device-chain steps run nothing else."""
+        return self.spec.topk == 1
 
     @cached_property
     def num_pages(self) -> int:
@@ -110,10 +131,11 @@ def run_bench(
         "Target": str(config.target),
         "Draft (EAGLE-3)": str(config.draft) if config.draft else "-",
         "Dtype": config.dtype,
-        "Draft steps S (chain)": config.spec_steps,
+        "Speculation S / K / N": _shape(config.spec),
+        "Prompts": _prompts(config),
         "Prompt / new tokens": f"{w.prompt_len} / {w.new_tokens}",
         "Rounds per batch size": w.rounds,
-        "Simulated accept length": _simulated(config.simulate_accept_length),
+        "Simulated accept length": _simulated(config.simulate_accept_length, config.chain),
         "Copy bandwidth (GB/s)": round(bandwidth / 1e9, 1),
         "Weights read per step (GB)": round(weight_bytes(model_config, dtype) / 1e9, 3),
         "KV per token (KiB)": round(kv_bytes_per_token(model_config, dtype) / 1024, 1),
@@ -131,11 +153,13 @@ def run_bench(
     if {"services", "services-plain"} & set(config.modes) and speculative:
         rows += _services(config, model_config, say)
     if "services-chain" in config.modes and speculative:
-        if config.device.startswith("cuda"):
-            rows += _services(config, model_config, say, device_chain=True)
-        else:
+        if not config.device.startswith("cuda"):
             note = "skipped: device-chain steps need CUDA graphs"
             rows.append(Row(mode="services-chain", batch_size=0, note=note))
+        elif not config.chain:
+            rows.append(Row(mode="services-chain", batch_size=0, note=CHAINS_ONLY))
+        else:
+            rows += _services(config, model_config, say, device_chain=True)
     if "services-grpc" in config.modes and speculative:
         rows += _services(config, model_config, say, local_stream=False)
     if "hf" in config.modes:
@@ -149,6 +173,8 @@ def run_bench(
     } & set(config.modes):
         rows.append(Row(mode="spec", batch_size=0, note="skipped: no draft (--draft)"))
     for row in rows:
+        if config.simulate_accept_length is not None and row.mode in SPECULATING:
+            row.simulated_accept_length = config.simulate_accept_length
         if row.batch_size:
             context = row.batch_size * (w.prompt_len + w.new_tokens // 2)
             row.finish(t_verify_min(model_config, dtype, context, bandwidth))
@@ -160,10 +186,28 @@ def _done(row: Row) -> str:
     return f"{row.mode} bs={row.batch_size}: {row.tokens_per_s or 0:.1f} tok/s{accept}"
 
 
-def _simulated(value: float | None) -> str:
+def _shape(spec: SpecConfig) -> str:
+    kind = "a chain" if spec.topk == 1 else "a tree"
+    return f"S={spec.num_steps} K={spec.topk} N={spec.tree_size} ({kind})"
+
+
+def _prompts(config: BenchConfig) -> str:
+    w = config.workload
+    if not w.token_ids:
+        return f"synthetic ids, {w.prompt_len} tokens"
+    lengths = sorted(len(p) for p in w.token_ids)
+    return (
+        f"{config.prompts_from or 'given'}: {len(lengths)}, {lengths[0]}-{lengths[-1]} tokens "
+        f"(median {lengths[len(lengths) // 2]}), greedy"
+    )
+
+
+def _simulated(value: float | None, chain: bool) -> str:
     if value is None:
         return "off (acceptance measured)"
-    return f"{value} (perf only: drafts forced, output not the target's)"
+    text = f"{value} (perf only: drafts forced, output not the target's"
+    # A random draft's trees are wide and shallow: a drawn depth beyond a tree's is cut there.
+    return text + (")" if chain else "; at most each tree's depth)")
 
 
 def _profiled(config: BenchConfig) -> str:
@@ -213,6 +257,9 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
     for mode, spec, policy, overlap, device_chain in plans:
         if device_chain and not config.device.startswith("cuda"):
             rows.append(Row(mode=mode, batch_size=0, note="skipped: needs CUDA graphs"))
+            continue
+        if device_chain and not config.chain:
+            rows.append(Row(mode=mode, batch_size=0, note=CHAINS_ONLY))
             continue
         engine = inprocess.build_engine(
             config.target,
@@ -284,7 +331,7 @@ def _services(
         stack = services.start_stack(
             config.target,
             config.draft,
-            spec_steps=config.spec_steps,
+            spec=config.spec,
             device=config.device,
             dtype=config.dtype,
             page_size=config.page_size,
@@ -369,7 +416,10 @@ def _transformers(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
         row = hf.run(
             model, 1, config.workload, assistant=assistant, num_assistant_tokens=config.spec_steps
         )
-        row.note = "random draft: acceptance not simulated" if config.simulate_accept_length else ""
+        notes = ["random draft: acceptance not simulated"] if config.simulate_accept_length else []
+        if not config.chain:
+            notes.append(f"chains of S={config.spec_steps}: transformers drafts no trees")
+        row.note = "; ".join(notes)
         rows.append(row)
         say(_done(row))
         for bs in config.batch_sizes:

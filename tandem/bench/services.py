@@ -39,11 +39,13 @@ from google.protobuf import json_format
 
 from tandem.apps.demo import free_port
 from tandem.apps.launch import Stack, build_stack
-from tandem.bench.inprocess import Workload, fill_latency, prompts
+from tandem.bench.inprocess import Workload, fill_latency
 from tandem.bench.probe import IdleProbe
 from tandem.bench.report import Row, median_ms
 from tandem.serving import diagnostics, step_log
+from tandem.serving.rpc import channel_options
 from tandem.spec import simulate
+from tandem.spec.types import SpecConfig
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 
@@ -51,7 +53,7 @@ def start_stack(
     target: Path,
     draft: Path,
     *,
-    spec_steps: int,
+    spec: SpecConfig,
     device: str,
     dtype: str,
     page_size: int,
@@ -72,7 +74,10 @@ def start_stack(
         draft=draft,
         draft_kind="eagle3",
         mtp_mode="chain",
-        spec_args=["--spec-steps", str(spec_steps), "--spec-topk", "1"],
+        spec_args=[
+            *("--spec-steps", str(spec.num_steps), "--spec-topk", str(spec.topk)),
+            *("--spec-tokens", str(spec.tree_size)),
+        ],
         page_size=page_size,
         device=device,
         dtype=dtype,
@@ -130,27 +135,26 @@ def through_gateway(
     windows: list[tuple[int, int]] = []  # each measured round's monotonic start and end
 
     async def main() -> Row:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+        async with channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             if w.warmup_tokens:
-                await _gateway_round(
-                    stub, prompts(vocab, batch_size, w.prompt_len, 99), w, speculate=speculate
-                )
+                await _gateway_round(stub, w.batch(vocab, batch_size, 99), w, speculate=speculate)
             rounds = []
             for r in range(w.rounds):
                 start = time.monotonic_ns()
-                batch = prompts(vocab, batch_size, w.prompt_len, r)
+                batch = w.batch(vocab, batch_size, r)
                 rounds.append(await _gateway_round(stub, batch, w, True, speculate=speculate))
                 windows.append((start, time.monotonic_ns()))
             if probe is not None:
                 out_dir = probe.arm(f"bs{batch_size}-{mode}")
-                batch = prompts(vocab, batch_size, w.prompt_len, 98)
+                batch = w.batch(vocab, batch_size, 98)
                 profiled = replace(w, new_tokens=probe.new_tokens)
                 await _gateway_round(stub, batch, profiled, True, speculate=speculate)
         row = Row(mode=mode, batch_size=batch_size, num_requests=batch_size * w.rounds)
         if probe is not None:
             probe.collect(out_dir, row)
-        tpots, ttfts, accepted, verify_steps = [], [], 0, 0
+        tpots, ttfts, accepted, verify_steps, drafted = [], [], 0, 0, 0
         for duration, records in rounds:
             row.duration_s += duration
             for ttft, tpot, tokens, usage in records:
@@ -160,8 +164,11 @@ def through_gateway(
                     tpots.append(tpot)
                 accepted += usage.accepted_tokens
                 verify_steps += usage.verify_steps
+                drafted += usage.drafted_steps
+                _add_causes(row, usage.steps_without_tree)
         row.tokens_per_s = row.output_tokens / row.duration_s
         row.accept_length = (accepted + verify_steps) / verify_steps if verify_steps else None
+        row.tree_fraction = drafted / verify_steps if verify_steps else None
         fill_latency(row, tpots, ttfts)
         return row
 
@@ -235,7 +242,8 @@ def through_control(
     ``steps_file``, also written there, one JSON object per measured step)."""
 
     async def main() -> Row:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+        async with channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
             outbox: asyncio.Queue[target_pb2.ControlRequest] = asyncio.Queue()
 
@@ -264,6 +272,9 @@ def through_control(
         if log.steps:
             verify_steps = sum(s.batch_size for s in log.steps)
             row.accept_length = sum(s.num_committed_tokens for s in log.steps) / verify_steps
+            row.tree_fraction = sum(s.num_speculating for s in log.steps) / verify_steps
+            for step in log.steps:
+                _add_causes(row, step.without_tree)
         if steps_file is not None:
             _write_steps(steps_file, log.steps)
         return row
@@ -295,7 +306,7 @@ async def _control_round(
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for i, ids in enumerate(prompts(vocab, batch_size, w.prompt_len, salt)):
+    for i, ids in enumerate(w.batch(vocab, batch_size, salt)):
         admit = target_pb2.AdmitCommand(
             request_id=f"bench-{salt}-{i}",
             prompt_token_ids=ids,
@@ -333,6 +344,14 @@ async def _control_round(
         log.ttfts.append((first[rid] - start) * 1e3)
         if n > 1:
             log.tpots.append((last[rid] - first[rid]) * 1e3 / (n - 1))
+
+
+def _add_causes(row: Row, counts: common_pb2.StepsWithoutTree) -> None:
+    """Adds a usage's or a step's decode steps without a tree, by cause, to the row's."""
+    for f in common_pb2.StepsWithoutTree.DESCRIPTOR.fields:
+        n = getattr(counts, f.name)
+        if n:
+            row.without_tree[f.name] = row.without_tree.get(f.name, 0) + n
 
 
 def _fill_steps(row: Row, steps: list[target_pb2.StepStats], positions: int) -> None:

@@ -25,6 +25,8 @@ import functools
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -32,6 +34,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 
 from tandem import wire
 from tandem.link.grpc_transport import GrpcTransport, describe
+from tandem.link.liveness import IdleProbe
 from tandem.link.local import SHARING, LocalLink
 from tandem.link.local_transport import LocalTransport
 from tandem.link.messages import Outgoing, StreamState
@@ -64,6 +67,7 @@ class DraftConnection:
         max_backlog: int,
         local_stream: bool,
         device: str | None,
+        deadline_s: Callable[[], float],
     ) -> None:
         self.address = address
         self.num_target_layers = num_target_layers
@@ -88,6 +92,14 @@ class DraftConnection:
         self._late_before = 0  # answers the streams given up had discarded
         self._swap = threading.Lock()  # ``transport`` changes: a broken one is given up once
         self._connector: asyncio.Task[None] | None = None
+        self.probe = IdleProbe(
+            address,
+            events=events,
+            deadline_s=deadline_s,
+            stream_up=lambda: self.transport.connected,
+            tls=tls,
+        )
+        self._probing: asyncio.Task[None] | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="draft-client")
         self._thread.daemon = True
@@ -96,6 +108,17 @@ class DraftConnection:
         """Starts the loop thread and the first connection."""
         self._thread.start()
         self._loop.call_soon_threadsafe(self._reconnect)
+        self._loop.call_soon_threadsafe(self._start_probe)
+
+    def note_send(self) -> None:
+        """A step went out (engine thread): the stream is not idle, its deadline watches it."""
+        self.probe.last_send = time.monotonic()
+        self.probe.stalled = False
+
+    @property
+    def stalled(self) -> bool:
+        """The idle probe found the draft stalled and has had no answer since."""
+        return self.probe.stalled
 
     @property
     def late_responses(self) -> int:
@@ -108,7 +131,8 @@ class DraftConnection:
         with self._swap:
             if self.transport is not transport:
                 return
-            self.transport = Offline(self._events, transport.kv_usage)
+            # The draft's pool is unknown until it answers again (it may come back empty).
+            self.transport = Offline(self._events, common_pb2.KvUsage())
             self._late_before += transport.late_responses
         logger.warning(
             "draft stream to %s (%s) lost (%s); reconnecting", self.address, transport.name, reason
@@ -129,6 +153,10 @@ class DraftConnection:
         self._loop.close()
 
     # -- loop thread -----------------------------------------------------------------------
+
+    def _start_probe(self) -> None:
+        if not self.closed:
+            self._probing = self._loop.create_task(self.probe.run())
 
     def _reconnect(self) -> None:
         if not self.closed:
@@ -153,12 +181,12 @@ class DraftConnection:
         channel = open_channel(
             self.address, tls=self.tls, options=channel_options(self.max_message_bytes)
         )
-        kv_usage = self.transport.kv_usage  # the draft's pool as last heard, until it answers
         try:
             stub = draft_pb2_grpc.DraftServiceStub(channel)
             info = await stub.GetInfo(
                 draft_pb2.DraftServiceGetInfoRequest(), timeout=self.connect_timeout_s
             )
+            kv_usage = info.kv_usage  # the draft's pool now, until its first answer
             layer_ids = self._check_info(info)
             link = await self._open_local(info)
             if link is not None:
@@ -223,6 +251,7 @@ class DraftConnection:
         with self._swap:
             self.transport = transport
         self.connects += 1
+        self.probe.stalled = False  # a new stream answered its hellos
         self._events.set_state(DraftState.HEALTHY)
 
     async def _open_local(self, info: draft_pb2.DraftServiceGetInfoResponse) -> LocalLink | None:
@@ -284,9 +313,12 @@ class DraftConnection:
         connector = self._connector
         if connector is not None:
             connector.cancel()
+        if self._probing is not None:
+            self._probing.cancel()
+            await asyncio.gather(self._probing, return_exceptions=True)
         with self._swap:
             transport = self.transport
-            self.transport = Offline(self._events, transport.kv_usage)
+            self.transport = Offline(self._events, common_pb2.KvUsage())
             self._late_before += transport.late_responses
         await transport.close()
         if connector is not None:

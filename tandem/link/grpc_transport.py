@@ -106,6 +106,10 @@ class GrpcTransport(Transport):
     def in_flight(self, step: Submission) -> bool:
         return step.answer is not None and not step.answer.done()
 
+    @property
+    def behind(self) -> bool:
+        return bool(self._discard)  # the loop's set, read whole: a snapshot is enough
+
     # -- loop thread -----------------------------------------------------------------------
 
     async def _send(

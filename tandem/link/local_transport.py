@@ -142,6 +142,10 @@ class LocalTransport(Transport):
         self.link.drain()
         self._settle()
 
+    @property
+    def behind(self) -> bool:
+        return self.link.backlogged
+
     def _settle(self) -> None:
         """After reading: a broken link is given up; once no late answer is outstanding, the
         draft is HEALTHY again."""

@@ -38,7 +38,7 @@ import torch
 from tandem.link.chain_remote import RemoteChain
 from tandem.link.connection import DraftConnection
 from tandem.link.local import LocalLink
-from tandem.link.transport import SAFETY_S, Submission
+from tandem.link.transport import SAFETY_S, Submission, Transport
 from tandem.serving.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from tandem.serving.security import ClientTLS
 from tandem.spec.base import Drafter, DraftState, DraftStatus
@@ -47,6 +47,14 @@ from tandem.spec.types import DraftAdmit, Tree, VerifyOutcome
 from tandem.v1 import common_pb2, draft_pb2
 
 logger = logging.getLogger(__name__)
+
+INTAKE_TOKENS_PER_DEADLINE = 256  # prompt tokens a step's message takes in per deadline_s
+# A step's deadline is at least deadline_s and at least this many times the answer time seen
+# lately, up to MAX_DEADLINE_FACTOR times deadline_s: a draft slower than deadline_s at its work
+# (trees on a CPU, a large batch) is waited for like an in-process one once one late answer has
+# come; a stalled one is still given up on, and reported, after deadline_s.
+DEADLINE_FACTOR = 8.0
+MAX_DEADLINE_FACTOR = 32.0
 
 
 class RemoteDrafter(Drafter):
@@ -80,6 +88,9 @@ class RemoteDrafter(Drafter):
         self._dropped: list[str] = []
         self._dropped_lock = threading.Lock()
         self._lanes: dict[int, Submission] = {}  # engine thread: lane -> uncollected step
+        self._sent_at: dict[int, float] = {}  # lane -> when its uncollected step was submitted
+        self.answer_s = 0.0  # a moving average of the time from submission to answer
+        self._late: tuple[Transport, float] | None = None  # a late step due: (stream, sent at)
         self.connection = DraftConnection(
             address,
             events=self,
@@ -93,6 +104,7 @@ class RemoteDrafter(Drafter):
             max_backlog=max_backlog,
             local_stream=local_stream,
             device=device,
+            deadline_s=lambda: self.deadline_s,
         )
         self.connection.start()
 
@@ -110,9 +122,14 @@ class RemoteDrafter(Drafter):
         submission order; ``collect`` and ``in_flight`` see the send."""
         if self.connection.closed:
             raise RuntimeError("RemoteDrafter is closed")
-        deadline_s = self.deadline_s
-        deadline = time.monotonic() + deadline_s
+        # A draft takes in new prompts at a rate of its own: their tokens extend the deadline.
+        admitted = sum(len(a.token_ids) for a in admits)
+        deadline_s = self.step_deadline_s() * (1.0 + admitted / INTAKE_TOKENS_PER_DEADLINE)
+        now = time.monotonic()
+        deadline = now + deadline_s
+        self._sent_at[lane] = now
         transport = self.connection.transport
+        self.connection.note_send()
         self._lanes[lane] = transport.send(
             lane, admits, outcomes, released, deadline, int(deadline_s * 1e9)
         )
@@ -137,12 +154,40 @@ class RemoteDrafter(Drafter):
         if step is None:
             return {}
         step = self._sent(lane, step)
+        late_steps = self.late_steps
         answer = step.transport.wait(step)
+        sent_at = self._sent_at.pop(lane, None)
         if answer is None:
             self.fallback_steps += 1
+            if self.late_steps > late_steps and self._late is None and sent_at is not None:
+                self._late = (step.transport, sent_at)  # ``behind`` times its answer
             return {}
+        if sent_at is not None:
+            took = time.monotonic() - sent_at
+            self.answer_s = took if not self.answer_s else 0.8 * self.answer_s + 0.2 * took
         self.model_ns += answer.model_ns
         return answer.trees
+
+    def step_deadline_s(self) -> float:
+        """The deadline of a step without prompts: ``deadline_s``, or more for a draft whose
+        answers have lately taken longer (see ``DEADLINE_FACTOR``)."""
+        learned = min(DEADLINE_FACTOR * self.answer_s, MAX_DEADLINE_FACTOR * self.deadline_s)
+        return max(self.deadline_s, learned)
+
+    def behind(self) -> bool:
+        if self._late is None:
+            return False  # no step went late since the last answer was in: nothing to read
+        transport = self.connection.transport
+        transport.poll()
+        if transport.behind:
+            return True
+        # The late answer is in: what it took, to within a step, is what the next steps allow
+        # (a slow draft is waited for from now on). Not when the stream broke.
+        late_transport, sent_at = self._late
+        if late_transport is transport:
+            self.answer_s = max(self.answer_s, time.monotonic() - sent_at)
+        self._late = None
+        return False
 
     def in_flight(self, lane: int) -> bool:
         step = self._lanes.get(lane)
@@ -251,6 +296,8 @@ class RemoteDrafter(Drafter):
     # -- events from the connection and its transports (any thread) ------------------------
 
     def set_state(self, state: DraftState) -> None:
+        if state is DraftState.HEALTHY and self.connection.stalled:
+            return  # the idle probe's verdict stands until the draft answers it
         if state is not self.state:
             logger.info("draft state %s -> %s", self.state.name, state.name)
         self.state = state

@@ -74,6 +74,7 @@ class Transport(ABC):
     told the draft (the requests it tracks, the prompts still to send)."""
 
     name = ""  # for logs
+    connected = True  # a stream to the draft (Offline: none)
 
     def __init__(self, stream: StreamState, events: Events) -> None:
         self.stream = stream
@@ -121,6 +122,11 @@ class Transport(ABC):
         """Handles what arrived meanwhile without waiting (late answers, a closed stream)."""
         return None
 
+    @property
+    def behind(self) -> bool:
+        """Whether an answer that missed its deadline is still to come (after ``poll``)."""
+        return False
+
     def chain_link(self, device: torch.device) -> LocalLink | None:
         """The local link, when its hellos chose a transport that shares ``device`` with the
         draft (device-chain runs, ``tandem/link/chain_remote.py``); None otherwise."""
@@ -136,10 +142,11 @@ class Offline(Transport):
     admits are reported dropped; its collect returns no trees at once."""
 
     name = "offline"
+    connected = False
 
     def __init__(self, events: Events, kv_usage: common_pb2.KvUsage) -> None:
         super().__init__(StreamState(budget=0, frame_bytes=0, hidden_dtype=torch.float32), events)
-        self._kv_usage = kv_usage  # the last stream's
+        self._kv_usage = kv_usage  # empty: unknown while no stream is up
 
     @property
     def kv_usage(self) -> common_pb2.KvUsage:

@@ -18,6 +18,8 @@ A request that does not parse (garbage, a truncated message, invalid UTF-8 in a 
 never reaches a servicer: the interceptor's deserializer hands the guard a marker instead of
 raising inside gRPC (which would answer UNKNOWN), and the guard answers INVALID_ARGUMENT, for a
 unary request before the method runs, for a request stream when the method reads that message.
+A method's screen (``make_server(screens=...)``) sees the bytes first: a request that its sizes
+alone refuse is refused the same way, by the InvalidRequest the screen raised, unparsed.
 
 Other ``TandemError`` s (e.g. ``CheckpointError``) are server-side conditions a caller cannot
 fix by changing its request, so INTERNAL (CONTRIBUTING.md: "else INTERNAL") rather than
@@ -35,7 +37,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 import grpc
@@ -112,7 +114,11 @@ def status_for(exc: BaseException) -> status_pb2.Status:
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions escaping any servicer method (unary or streaming, either direction) to
-    a status; the one place where domain errors become gRPC codes."""
+    a status; the one place where domain errors become gRPC codes. ``screens``: by full method
+    name, a check of a request's bytes before they are parsed (InvalidRequest refuses it)."""
+
+    def __init__(self, screens: Mapping[str, Callable[[bytes], None]] | None = None) -> None:
+        self.screens = dict(screens or {})
 
     async def intercept_service(
         self,
@@ -130,7 +136,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 factory = getattr(grpc, f"{kind}_rpc_method_handler")
                 return factory(
                     _guard(behavior, method, streaming_requests=kind.startswith("stream_")),
-                    request_deserializer=_lenient(handler.request_deserializer),
+                    request_deserializer=_lenient(
+                        handler.request_deserializer, self.screens.get(method)
+                    ),
                     response_serializer=handler.response_serializer,
                 )
         return handler
@@ -143,16 +151,23 @@ class _Undecodable:
         self.error = error
 
     def refusal(self) -> InvalidRequest:
+        if isinstance(self.error, InvalidRequest):  # a screen's refusal
+            return self.error
         return InvalidRequest("request", f"undecodable message ({self.error})")
 
 
-def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    """``deserializer`` returning an ``_Undecodable`` instead of raising on bad bytes."""
+def _lenient(
+    deserializer: Callable[[bytes], Any] | None, screen: Callable[[bytes], None] | None = None
+) -> Callable[[bytes], Any] | None:
+    """``deserializer`` (after ``screen``) returning an ``_Undecodable`` instead of raising on
+    bad bytes."""
     if deserializer is None:
         return None
 
     def parse(data: bytes) -> Any:
         try:
+            if screen is not None:
+                screen(data)
             return deserializer(data)
         except Exception as exc:  # protobuf's DecodeError, whatever its version calls it
             return _Undecodable(exc)
@@ -220,13 +235,15 @@ def make_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     maximum_concurrent_rpcs: int | None = None,
+    screens: Mapping[str, Callable[[bytes], None]] | None = None,
 ) -> grpc.aio.Server:
     """A grpc.aio server with :func:`server_options`, ``interceptors`` (e.g.
     ``security.BearerTokenAuth``: a refusal comes before the request is parsed) and the
-    :class:`ErrorInterceptor` innermost, around the servicers. Call it inside the loop that
-    will serve it; :func:`bind` adds its listening port."""
+    :class:`ErrorInterceptor` innermost, around the servicers (with ``screens``, checks of
+    requests' bytes before they are parsed). Call it inside the loop that will serve it;
+    :func:`bind` adds its listening port."""
     return grpc.aio.server(
-        interceptors=[*interceptors, ErrorInterceptor()],
+        interceptors=[*interceptors, ErrorInterceptor(screens)],
         options=server_options(max_message_bytes),
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )

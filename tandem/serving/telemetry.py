@@ -13,7 +13,9 @@ exists: the gRPC instrumentation patches their creation). It reads the standard 
   0: per-step spans cost Python time on every step).
 
 and ``metrics_port`` (each service's ``--metrics-port``) serves Prometheus text on
-``http://HOST:PORT/metrics``.
+``http://HOST:PORT/metrics``, HOST being the service's ``--host``: metrics are exactly as
+reachable as the service's port (loopback for target and draft by default, and for all three
+under ``tandem serve``).
 
 Traces: the gRPC calls get server/client spans (opentelemetry-instrumentation-grpc, health
 checks excluded). On top, each request has one span per service, all in one trace: the
@@ -79,7 +81,7 @@ class Telemetry:
 
 
 def setup(
-    service: str, *, metrics_port: int | None = None, metrics_host: str = "0.0.0.0"
+    service: str, *, metrics_port: int | None = None, metrics_host: str = "127.0.0.1"
 ) -> Telemetry:
     """Installs the tracer and meter providers and the gRPC instrumentation for this process."""
     attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service}

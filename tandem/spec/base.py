@@ -99,6 +99,13 @@ class Drafter(ABC):
         closed connection); the engine calls it when idle. Most drafters have nothing to do."""
         return None
 
+    def behind(self) -> bool:
+        """Whether an answer that missed its deadline is still to come: the draft is still
+        drafting a step the engine has decoded without, so it decodes plainly (holding its
+        outcomes, as K=0 does) until that answer is in, rather than queue more steps behind
+        it. In process: never."""
+        return False
+
     def _answers(self) -> dict[int, dict[str, Tree]]:
         # Created on first use, so subclasses need not call an __init__ of this ABC.
         answers: dict[int, dict[str, Tree]] = vars(self).setdefault("_lane_answers", {})

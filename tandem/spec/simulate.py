@@ -2,9 +2,12 @@
 
 With a mean accept length A, every verification accepts a drawn number of drafts instead of
 checking them: k ~ clamp(round(N(mu, 1)), 0, S) per request and step, with mu solved so that
-E[k] + 1 = A exactly despite the rounding and the clamp. The accepted path follows each
-node's first child from node 0, k deep (a chain's first k drafts; fewer where the tree is
-shallower), and the bonus is the target's argmax after the path. The verification itself still
+E[k] + 1 = A exactly despite the rounding and the clamp. The accepted path goes k deep from
+node 0 (a chain's first k drafts), at each node into the child with the deepest subtree, the
+first such child on a tie (the draft's best): a tree's first children alone may run out
+before depth k where its deeper branches do not, and the drawn depth is what A promises. It
+is shorter only where the whole tree is shallower. The bonus is the target's argmax after the
+path. The verification itself still
 runs, so its cost is measured, but its verdict is overridden.
 
 The committed tokens are then the draft's, not the target's: the output is NOT the target's
@@ -49,13 +52,18 @@ class AcceptSimulator:
         return min(max(k, 0), self.num_steps)
 
     def path(self, tree: Tree) -> list[int]:
-        """The forced accepted path: node 0, then first children, ``draw()`` deep at most."""
-        first_child: dict[int, int] = {}
-        for node in range(len(tree) - 1, 0, -1):  # descending, so the smallest index wins
-            first_child[tree.parents[node]] = node
+        """The forced accepted path: node 0, then at each node the child with the deepest
+        subtree (the first on a tie), ``draw()`` deep at most."""
+        height = [0] * len(tree)  # of each node's subtree; children follow their parents
+        best: dict[int, int] = {}
+        for node in range(len(tree) - 1, 0, -1):  # descending: a node's children come first
+            parent = tree.parents[node]
+            if height[node] + 1 >= height[parent]:  # >=: the smaller index wins a tie
+                height[parent] = height[node] + 1
+                best[parent] = node
         nodes = [0]
         for _ in range(self.draw()):
-            child = first_child.get(nodes[-1])
+            child = best.get(nodes[-1])
             if child is None:
                 break
             nodes.append(child)

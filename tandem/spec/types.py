@@ -3,6 +3,7 @@ and draft (docs/design.md section 3; the in-process twin of ``draft.proto``)."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -169,6 +170,20 @@ class VerifyOutcome:
     features: torch.Tensor | None  # [len(accepted) + 1, F]: node 0 and the accepted nodes
 
 
+class NoTree(enum.StrEnum):
+    """Why a decode step verified no draft token (the values name the counters)."""
+
+    POLICY = "policy"  # the adaptive policy chose plain decoding (K=0) for the step
+    LATE = "late"  # the draft's answer missed its deadline, or a late one was still due
+    # The answer was drafted for an older state: the request moved lanes, the draft was catching
+    # up after K=0, or the tree was rejected.
+    STALE = "stale"
+    NOT_IN_DRAFT = "not_in_draft"  # the draft did not track it (lost, not taken in again yet)
+    OPTED_OUT = "opted_out"  # the request does not speculate
+    # No room for drafts: the step's token budget, the KV pool, or the request's length limit.
+    CAPACITY = "capacity"
+
+
 @dataclass
 class SpecStats:
     """Acceptance statistics of one request (vLLM-style counters)."""
@@ -179,12 +194,18 @@ class SpecStats:
     accepted_tokens: int = 0  # draft nodes accepted
     accepted_per_position: list[int] = field(default_factory=list)  # [depth - 1] -> count
     accept_lengths: list[int] = field(default_factory=list)  # per verify step, bonus included
+    without_tree: dict[NoTree, int] = field(default_factory=dict)  # decode steps, by cause
 
-    def record(self, num_draft_nodes: int, num_accepted: int) -> None:
+    def record(
+        self, num_draft_nodes: int, num_accepted: int, missed: NoTree = NoTree.STALE
+    ) -> None:
+        """One verify step; ``missed``: why it verified no draft token, if it did not."""
         self.verify_steps += 1
         self.accept_lengths.append(num_accepted + 1)
         if num_draft_nodes:
             self.drafts += 1
+        else:
+            self.without_tree[missed] = self.without_tree.get(missed, 0) + 1
         self.draft_tokens += num_draft_nodes
         self.accepted_tokens += num_accepted
         while len(self.accepted_per_position) < num_accepted:
@@ -198,3 +219,19 @@ class SpecStats:
         if not self.verify_steps:
             return 0.0
         return (self.accepted_tokens + self.verify_steps) / self.verify_steps
+
+
+@dataclass
+class StepCounts:
+    """Decode steps of all requests since a start (a server's lifetime): those that verified a
+    draft token, and the others by cause."""
+
+    verify_steps: int = 0
+    drafted_steps: int = 0
+    without_tree: dict[NoTree, int] = field(default_factory=dict)
+
+    def add(self, stats: SpecStats) -> None:
+        self.verify_steps += stats.verify_steps
+        self.drafted_steps += stats.drafts
+        for cause, n in stats.without_tree.items():
+            self.without_tree[cause] = self.without_tree.get(cause, 0) + n

@@ -35,7 +35,7 @@ from tandem.kv import KVCache
 from tandem.request import Request
 from tandem.sampling import SamplingBatch, process_logits
 from tandem.spec.simulate import AcceptSimulator
-from tandem.spec.types import SpecStats, Tree
+from tandem.spec.types import NoTree, SpecStats, Tree
 from tandem.transfer import device_ints, device_segments, read_host
 
 
@@ -184,8 +184,10 @@ def commit(
     decoding: Sequence[bool],  # per row: the request decoded (its prompt was complete)
     verified: Sequence[Verified | None],
     stats: SpecStats,  # the step's, all requests together (each request keeps its own too)
+    plain: NoTree | None = None,  # why the step verified no trees at all, if it did not (K=0)
 ) -> None:
-    """Moves accepted KV into place (``compact``) and advances every request's KV progress."""
+    """Moves accepted KV into place (``compact``) and advances every request's KV progress,
+    counting each decode step without a draft token by its cause."""
     tree_rows = [i for i, req in enumerate(reqs) if req.tree is not None and verified[i]]
     compact(
         kv,
@@ -198,13 +200,24 @@ def commit(
         if req.tree is not None and v is not None:
             req.num_computed += len(v.accept_nodes)
             for s in (req.stats, stats):
-                s.record(len(req.tree) - 1, len(v.accept_nodes) - 1)
+                s.record(len(req.tree) - 1, len(v.accept_nodes) - 1, NoTree.CAPACITY)
             req.tree = None
         else:
             req.num_computed += n
             if decoding[i]:
+                missed = plain or why_no_tree(req)
                 for s in (req.stats, stats):
-                    s.record(0, 0)  # a decode step without a draft
+                    s.record(0, 0, missed)  # a decode step without a draft
+        req.miss = None
+
+
+def why_no_tree(req: Request) -> NoTree:
+    """Why a decode step of a speculating batch had no tree for ``req``."""
+    if not req.speculate:
+        return NoTree.OPTED_OUT
+    if not req.in_draft:
+        return NoTree.NOT_IN_DRAFT
+    return req.miss or NoTree.STALE  # no answer for its state: a catch-up after K=0, say
 
 
 def decode_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

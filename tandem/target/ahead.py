@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.request import Request
+from tandem.spec.types import NoTree
 from tandem.spec.verify import Verified, decode_greedy
 from tandem.target.runner import ModelInputs, ModelOutputs
 from tandem.target.scheduler import ScheduledBatch, Scheduler
@@ -46,6 +47,7 @@ class InFlight:
     host_ids: torch.Tensor  # [bs] their copy on the host (pinned on CUDA)
     host_logprobs: torch.Tensor  # [bs] float32, each choice's log-probability
     copied: torch.cuda.Event | None  # recorded after the copies (None off CUDA)
+    plain: NoTree = NoTree.POLICY  # why it decodes plainly (its steps' counters)
 
     def read(self) -> list[Verified | None]:
         """Waits for this step's choices (not for anything launched after it); each row's

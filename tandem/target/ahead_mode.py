@@ -8,7 +8,7 @@ import time
 from tandem.clock import StepTiming
 from tandem.request import Request, RequestOutput
 from tandem.spec.base import Drafter
-from tandem.spec.types import SpecStats
+from tandem.spec.types import NoTree, SpecStats
 from tandem.target import ahead
 from tandem.target.exchange import DraftExchange
 from tandem.target.runner import ModelRunner
@@ -87,6 +87,7 @@ class AheadMode(StepMode):
         for req in reqs:
             req.num_computed += 1
         self.in_flight = ahead.launch(batch, inputs, outputs)
+        self.in_flight.plain = plan.plain or NoTree.POLICY
         self.launches += 1
         forward_ns = time.perf_counter_ns() - launched
         results: list[RequestOutput] = []
@@ -119,7 +120,7 @@ class AheadMode(StepMode):
         stats = SpecStats()
         for req in batch.requests:
             for counts in (req.stats, stats):
-                counts.record(0, 0)  # a decode step without a draft
+                counts.record(0, 0, flight.plain)  # a decode step without a draft
         done = [verified[i] for i in live]
         results = self.scheduler.postprocess(
             batch,

@@ -16,7 +16,7 @@ import time
 
 from tandem.clock import StepTiming
 from tandem.request import RequestOutput
-from tandem.spec.types import SpecStats
+from tandem.spec.types import NoTree, SpecStats
 from tandem.target.device_chain import ChainRead, DeviceChain
 from tandem.target.exchange import DraftExchange
 from tandem.target.scheduler import ScheduledBatch, Scheduler
@@ -37,9 +37,7 @@ class ChainMode(StepMode):
             return None
         if not plan.lanes:
             return self.drain("no request left to step")
-        reason = (
-            self.chain.stop_reason(self.scheduler) if plan.speculate else "K=0 (policy or ingest)"
-        )
+        reason = self.chain.stop_reason(self.scheduler) if plan.speculate else "K=0 (policy)"
         return self.drain(reason) if reason else self._step()
 
     def start(self, plan: StepPlan) -> StepResult | None:
@@ -107,7 +105,7 @@ class ChainMode(StepMode):
         """A read step's tokens and statistics (its KV progress is the chain's)."""
         for read in reads:
             for counts in (read.request.stats, stats):
-                counts.record(read.drafted, read.accepted)
+                counts.record(read.drafted, read.accepted, NoTree.LATE)
         batch = ScheduledBatch(
             requests=[r.request for r in reads], num_new_tokens=[len(r.new_tokens) for r in reads]
         )

@@ -270,8 +270,8 @@ class DeviceChain:
                 req.in_draft = False
                 continue
             self.target.alloc.truncate(req.request_id, req.num_computed)
-            if lost:  # the draft released it: it decodes without speculation from here
-                req.in_draft = req.speculate = False
+            if lost:  # the draft released it: it decodes without trees until taken in again
+                req.in_draft = False
                 req.tree = None
                 continue
             assert tree.tokens[0] == req.tokens[-1], "chain out of step"

@@ -35,7 +35,7 @@ from tandem.request import FinishReason, Request
 from tandem.sampling import SamplingParams, make_generator
 from tandem.spec.base import Drafter
 from tandem.spec.simulate import AcceptSimulator
-from tandem.spec.types import SpecConfig, SpecStats
+from tandem.spec.types import NoTree, SpecConfig, SpecStats, StepCounts
 from tandem.target.ahead_mode import AheadMode
 from tandem.target.chain_mode import ChainMode
 from tandem.target.device_chain import DeviceChain, unsupported
@@ -146,6 +146,7 @@ class Engine:
         self.chained: ChainMode | None = None  # device-chain runs, when enabled
         self.modes: list[StepMode] = [self.ahead, self.sync]
         self._lane = MAX_LANES - 1  # the lane the last step ran (lane 0 goes first)
+        self.step_counts = StepCounts()  # decode steps with and without a draft token
         self._last_step_end: int | None = None  # perf_counter_ns when the last step returned
         if config.device_chain:
             self.enable_device_chain()
@@ -263,10 +264,10 @@ class Engine:
                     result.num_committed,
                     self._policy_ns(started),
                     settled=result.settled,
-                    ingesting=plan.ingesting,
                     held=exchange.held_tokens() if exchange is not None else 0,
                 )
             self._lane = result.lane
+            self.step_counts.add(result.stats)
             return result
         finally:
             self._last_step_end = time.perf_counter_ns()
@@ -281,10 +282,10 @@ class Engine:
                 last_lane=self._lane,
                 speculate=False,
                 policy_batch=0,
-                ingesting=False,
             )
         exchange, scheduler = self.exchange, self.scheduler
         speculate = exchange is not None
+        plain: NoTree | None = None  # why the step runs K=0, if it does
         # The policy's batch size is the size the batch is growing to: requests arriving over
         # a few prompt steps are not admitted to the draft (their features sent) by a small
         # batch's choice when the full one decodes plainly. Steps are measured at it too.
@@ -293,7 +294,7 @@ class Engine:
         if speculate and not scheduler.any_speculate():
             # Every request opted out: plain decoding, which the policy neither chooses nor
             # measures (policy_batch 0): such steps say nothing about speculation.
-            speculate, policy_batch = False, 0
+            speculate, policy_batch, plain = False, 0, NoTree.OPTED_OUT
         elif self.policy is not None:
             speculate = self.policy.speculate(policy_batch)
             # Speculation resumes with a catch-up (the draft takes in what K=0 held): not for
@@ -302,16 +303,18 @@ class Engine:
             resuming = speculate and exchange is not None and exchange.catching_up
             if resuming and scheduler.all_end_within(RESUME_MIN_TOKENS):
                 speculate, policy_batch = False, 0
-        # A draft service taking in new prompts is not waited for: the batch decodes with K=0
-        # meanwhile, steps the policy does not measure.
-        ingesting = speculate and exchange is not None and exchange.ingesting()
+            plain = None if speculate else NoTree.POLICY
+        if speculate and self.drafter is not None and self.drafter.behind():
+            # A late answer is still to come: plain steps (outcomes held) until it is in, so
+            # the draft is not sent more steps to queue behind it; not measured.
+            speculate, policy_batch, plain = False, 0, NoTree.LATE
         return StepPlan(
             lanes=lanes,
             lane=lane,
             last_lane=self._lane,
-            speculate=speculate and not ingesting,
+            speculate=speculate,
             policy_batch=policy_batch,
-            ingesting=ingesting,
+            plain=plain,
         )
 
     def _policy_ns(self, started: int) -> int:

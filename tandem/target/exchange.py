@@ -4,36 +4,33 @@ After a lane's step, ``submit`` hands the draft what the verification committed:
 requests whose prompt just finished (with the prompt's target features), outcomes (accepted
 tokens, bonus token, the accepted path's features) and released ids. At the lane's next step,
 ``collect`` attaches the trees that came back. A tree answers only the submission it was
-drafted for (``Request.draft_seq``): a request that stepped again in between (it moved lanes,
-or its tree was late) decodes that step without one, never with a stale one.
+drafted for (``Request.draft_seq``): a request that stepped again in between (its tree was
+late, say) decodes that step without one, never with a stale one; one the gateway moved to the
+other lane has its old lane's answer collected first (``collect_moved``).
 
 K=0 steps (the adaptive policy, ``tandem.target.policy``) submit with ``draft=False``: their
 outcomes are held back per request and merged (tokens and features concatenate exactly as the draft
 would have applied them one by one), so the draft does no work while the lane decodes plainly. They
 go out in one extend when speculation resumes, or, while the features held for all requests pass the
 cap, the longest runs go out until half of it is left (that answer's trees are unused while K=0
-lasts); a request that finishes during K=0 sends nothing. The features stay on the device under an
-eighth of the device memory free when K=0 first holds (``hold.device_cap``), for a draft service
-too: they cross to the host when they are sent, in the client's one copy per message. (Copying each
-K=0 step's features to pinned host memory instead would allocate pinned blocks step after step,
-since held ones are not freed: host time every step, and long spikes.) So a long K=0 stretch at a
-large batch does not flush features to the draft (a draft extend, on the GPU the target uses) every
-few steps. To a draft service (``Drafter.remote``), waiting admits and held runs go out at most
+lasts); a request that finishes during K=0 sends nothing. The features stay where the step left them
+(``hold.py``). To a draft service (``Drafter.remote``), waiting admits and held runs go out at most
 ``HELD_BYTES_PER_STEP`` of features per step, so a batch that pauses together does not resume in one
-message over the stream's cap (``SHARED_HELD_BYTES_PER_STEP`` when they go through a buffer the
-draft shares, ``tandem.link.prompt_ring``: nothing is serialised); a request still holding (or not
-admitted yet) decodes without a tree. In process nothing is serialised: a speculating step sends
-everything due at once, and only K=0 flushes (past the cap) are paced, to spread their draft work.
+message over the stream's cap (``SHARED_HELD_BYTES_PER_STEP`` through a buffer the draft shares); a
+request still holding decodes without a tree. In process a speculating step sends everything due at
+once; only K=0 flushes (past the cap) are paced, to spread their draft work.
 
-While a draft service takes in new prompts (``INGEST_BYTES`` of their features or more in one
-message), the engine does not wait for its answer: ``ingesting`` tells it to decode with K=0
-until the answer is back (that answer's trees are stale by then; the K=0 outcomes are held
-and go out in the next speculating step, whose answer is waited for, as after any K=0
-stretch). So the serialisation and transport of a batch of prompts' features (24 KiB a token
-for an 8B EAGLE-3 head: 100+ ms for eight 128-token prompts over gRPC) costs plain steps
-rather than a stalled target. A draft that shares a prompt buffer on this host
-(``Drafter.shares_prompts``: the features are copied on the device, not serialised) is waited
-for like any other step.
+A new prompt's intake never takes trees away from the running requests. To a draft service whose
+prompts are serialised (``Drafter.remote``, not ``shares_prompts``), admits go out in their own
+message on the intake lane (``INTAKE_LANE``), after the lane's step, at most ``INTAKE_BYTES`` of
+features at a time (one message outstanding); the admitted requests are parked
+(``Request.parked``): speculating steps leave them out until that answer, their first trees, is
+back (``settle_intake``: taken when it has come, waited for only when nothing else could step, as
+in process). So the transport of a batch of prompts' features (24 KiB a token for an 8B EAGLE-3
+head) costs the new requests a short wait, never the running ones their trees: every request
+verifies a tree at every decode step, as in process. K=0 steps leave nothing out. A draft sharing
+a prompt buffer on this host (``Drafter.shares_prompts``) and an in-process drafter take admits
+with the lane's step, whose answer is waited for.
 """
 
 from __future__ import annotations
@@ -45,13 +42,15 @@ import torch
 
 from tandem.request import Request
 from tandem.spec.base import Drafter
-from tandem.spec.types import DraftAdmit, SpecConfig, VerifyOutcome
+from tandem.spec.types import DraftAdmit, NoTree, SpecConfig, VerifyOutcome
 from tandem.spec.verify import Verified
 from tandem.target import hold
 from tandem.target.hold import Held
+from tandem.target.readmit import readmit_lost
 from tandem.target.runner import ModelInputs, ModelOutputs
-from tandem.target.scheduler import ScheduledBatch
-from tandem.transfer import device_ints, nbytes
+from tandem.target.scheduler import ScheduledBatch, Scheduler
+from tandem.target.step import MAX_LANES
+from tandem.transfer import nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +58,8 @@ HELD_BYTES_PER_STEP = 16 << 20  # features of held runs sent per step (beyond th
 # ... to a draft service whose buffer they go through (``Drafter.shares_prompts``): a quarter
 # of its default 256 MiB, so two lanes' steps fit in it beside new prompts.
 SHARED_HELD_BYTES_PER_STEP = 64 << 20
-INGEST_BYTES = 1 << 20  # prompt features a draft service's answer is not waited for past
+INTAKE_BYTES = 4 << 20  # prompt features per intake message (at least one prompt)
+INTAKE_LANE = MAX_LANES  # the submissions that carry new prompts to a draft service
 
 
 class DraftExchange:
@@ -87,8 +87,6 @@ class DraftExchange:
         self._deferred_released: list[str] = []
         # Lanes whose outstanding answer drafts over held runs or admits (a catch-up).
         self._catching_up_lanes: set[int] = set()
-        # Lanes whose outstanding answer takes in INGEST_BYTES or more of prompt features.
-        self._ingesting_lanes: set[int] = set()
         self._device_cap: int | None = None  # set when K=0 first holds
 
     @property
@@ -98,10 +96,10 @@ class DraftExchange:
 
     @property
     def catching_up(self) -> bool:
-        """Whether K=0 left the draft behind: runs or admits still waiting to go out, or an
-        answer still to collect that catches up on them (the step that collects it waits for
-        the draft's extend over everything K=0 held)."""
-        return bool(self.held or self._deferred_admits or self._catching_up_lanes)
+        """Whether K=0 left the draft behind: runs or admits (not new prompts waiting for the
+        intake lane) still to go out, or an answer to collect that catches up on them."""
+        admits = bool(self._deferred_admits) and not self.separate_intake
+        return bool(self.held or admits or self._catching_up_lanes)
 
     def held_tokens(self) -> int:
         """Tokens the draft would take in before its next trees: runs K=0 held and prompts
@@ -109,10 +107,58 @@ class DraftExchange:
         runs = sum(len(h.tokens) for h in self.held.values())
         return runs + sum(len(a.token_ids) for a in self._deferred_admits)
 
-    def ingesting(self) -> bool:
-        """Whether a draft service is still taking in new prompts (that answer in flight): the
-        next step decodes with K=0 rather than wait for it (see the module docstring)."""
-        return any(self.drafter.in_flight(lane) for lane in self._ingesting_lanes)
+    @property
+    def separate_intake(self) -> bool:
+        """Whether new prompts go out on the intake lane (see the module docstring)."""
+        return self.drafter.remote and not self.drafter.shares_prompts
+
+    def settle_intake(self, *, block: bool) -> None:
+        """Takes the intake lane's answer if it is back (``block``: waits for it, when no
+        request could step without it), unparking its requests; then sends the next prompts
+        waiting, if any."""
+        if INTAKE_LANE in self.awaiting and (block or not self.drafter.in_flight(INTAKE_LANE)):
+            self.collect(INTAKE_LANE)
+        self._send_intake()
+
+    def _send_intake(self) -> None:
+        """Sends the oldest admits waiting, up to ``INTAKE_BYTES`` of features (at least one),
+        on the intake lane when it has no answer outstanding; a run K=0 held for one of them
+        joins its admit."""
+        if not self.separate_intake or INTAKE_LANE in self.awaiting or not self._deferred_admits:
+            return
+        # The admit of a request aborted meanwhile (gone from the engine) never goes out;
+        # releases waiting for a lane stay waiting for its next submission.
+        gone = [a.request_id for a in self._deferred_admits if a.request_id not in self._requests]
+        admits, self._deferred_released = self._take_deferred(
+            gone, admits=True, budget=INTAKE_BYTES
+        )
+        if not admits:
+            return
+        admits = [
+            a.then(self.held.pop(a.request_id).outcome(a.request_id))
+            if a.request_id in self.held
+            else a
+            for a in admits
+        ]
+        awaiting: dict[str, int] = {}
+        for admit in admits:
+            req = self._requests[admit.request_id]
+            req.draft_seq += 1
+            awaiting[admit.request_id] = req.draft_seq
+        started = time.perf_counter_ns()
+        self.drafter.submit(INTAKE_LANE, admits, [], [])
+        self.wait_ns += time.perf_counter_ns() - started
+        self.awaiting[INTAKE_LANE] = awaiting
+
+    def collect_moved(self, lane: int) -> None:
+        """Collects (waiting if need be) other lanes' answers that hold trees for requests now
+        in ``lane`` (the gateway moved them), so a move costs no step its tree."""
+        for other, awaiting in list(self.awaiting.items()):
+            if other in (lane, INTAKE_LANE):
+                continue
+            moved = (self._requests.get(request_id) for request_id in awaiting)
+            if any(req is not None and req.lane == lane for req in moved):
+                self.collect(other)
 
     def other_lane_in_flight(self, lane: int) -> bool:
         """Whether another lane's trees are being drafted right now."""
@@ -126,10 +172,9 @@ class DraftExchange:
                 self.collect(idle)
 
     def skip(self, running: list[Request], num_lanes: int) -> int | None:
-        """Readies a K=0 step of ``running`` without waiting on the draft: answers that are
-        back are taken (and go unused), ones still being drafted stay out and the step makes
-        them stale. Returns the lane its submission may go out on (one with no answer
-        outstanding), None when there is none (nothing is sent then)."""
+        """Readies a K=0 step of ``running`` without waiting on the draft (answers still
+        being drafted go stale). Returns the lane its submission may go out on (one with no
+        answer outstanding), None when there is none (nothing is sent then)."""
         self.collect_idle(set())
         self.unwaited_answers += len(self.awaiting)
         for req in running:
@@ -170,12 +215,10 @@ class DraftExchange:
         """Submits the step's outcome to the draft; the trees come at the lane's next step.
         ``released``: requests finished, aborted or preempted since the draft last heard.
         ``draft=False`` (a K=0 step): outcomes are held back (see the module docstring).
-        ``send=False``: the lane still awaits an answer, so nothing goes out this step: held
-        runs keep holding and released ids wait for the next submission. ``alone``: no other
-        lane steps before this lane's answer, so the engine has nothing to launch meanwhile:
-        a draft service's message leaves before the rest of the step's host work (the
-        client's thread would otherwise wait for the GIL behind it, every cycle), unless
-        it takes in new prompts (the next steps decode meanwhile, without waiting)."""
+        ``send=False``: the lane still awaits an answer, so nothing goes out this step.
+        ``alone``: no other lane steps before this lane's answer: a draft service's message
+        leaves before the rest of the step's host work (the client's thread would otherwise
+        wait for the GIL behind it, every cycle)."""
         self._apply_dropped()
         behind = bool(self.held or self._deferred_admits)  # before this step's outcomes
         admits: list[DraftAdmit] = []
@@ -201,14 +244,14 @@ class DraftExchange:
                         admits.append(admit)
                     else:
                         # Features were not captured for the whole prompt (the draft connected
-                        # while it was being prefilled): this request decodes without a draft.
-                        req.in_draft = req.speculate = False
+                        # while it was being prefilled): it is taken in later (``readmit``).
+                        req.in_draft = req.parked = False
                 continue
             assert v is not None, "a request the draft tracks ran without verification"
             tracked.append((req, v, [start + n for n in v.accept_nodes]))
         # One gather for the whole step; each request's features are a view of it.
         flat = [row for _, _, rows in tracked for row in rows]
-        gathered = None if features is None or not flat else _gather_rows(features, flat)
+        gathered = None if features is None or not flat else hold.gather_rows(features, flat)
         if not draft and self._device_cap is None:
             self._device_cap = hold.device_cap(None if features is None else features.device)
         offset = 0
@@ -228,7 +271,10 @@ class DraftExchange:
             self._stale(tracked)
             return
         budget = self._step_bytes(draft)
-        admits, released = self._take_deferred(released, admits=draft or over, budget=budget)
+        # New prompts go on the intake lane when they go separately (after this message: the
+        # lane's trees do not wait for them), else with the lane's step.
+        with_lane = (draft or over) and not (draft and self.separate_intake)
+        admits, released = self._take_deferred(released, admits=with_lane, budget=budget)
         sent_bytes = sum(nbytes(a.features) for a in admits)
         waiting = {a.request_id for a in self._deferred_admits}
         due = [req for req, _, _ in tracked] if draft else self._overflow(tracked)
@@ -249,6 +295,8 @@ class DraftExchange:
             admits[i] = admits[i].then(outcome)
             outcomes.remove(outcome)
         if not (admits or outcomes or released):
+            if draft:
+                self._send_intake()
             return  # a K=0 step with nothing to send: the draft does no work
         awaiting: dict[str, int] = {}
         for request_id in [a.request_id for a in admits] + [o.request_id for o in outcomes]:
@@ -263,12 +311,9 @@ class DraftExchange:
         self.awaiting[lane] = awaiting
         if draft and behind:
             self._catching_up_lanes.add(lane)
-        # New prompts only: a catch-up is waited for (what it would hold back next is what
-        # the answer catches up on, so not waiting could go on for ever).
-        ingest = self.drafter.remote and not self.drafter.shares_prompts
-        if ingest and sum(nbytes(a.features) for a in admits) >= INGEST_BYTES:
-            self._ingesting_lanes.add(lane)
-        elif alone and draft:
+        if draft:
+            self._send_intake()
+        if alone and draft:
             started = time.perf_counter_ns()
             self.drafter.wait_sent(lane)
             self.wait_ns += time.perf_counter_ns() - started
@@ -291,10 +336,13 @@ class DraftExchange:
     def collect(self, lane: int) -> None:
         """Attaches the trees answering the lane's last submission, where still current."""
         self._catching_up_lanes.discard(lane)
-        self._ingesting_lanes.discard(lane)
         awaiting = self.awaiting.pop(lane, None)
         if awaiting is None:
             return
+        for request_id in awaiting:  # admits taken in (or given up on): they step again
+            req = self._requests.get(request_id)
+            if req is not None:
+                req.parked = False
         started = time.perf_counter_ns()
         trees = self.drafter.collect(lane)
         self.wait_ns += time.perf_counter_ns() - started
@@ -302,8 +350,12 @@ class DraftExchange:
         for request_id, seq in awaiting.items():
             req = self._requests.get(request_id)
             tree = trees.get(request_id)
-            if tree is None or req is None or not req.in_draft or req.draft_seq != seq:
-                continue  # no tree (late draft, say), or one for a state it has left
+            if req is None:
+                continue
+            if tree is None or not req.in_draft or req.draft_seq != seq:
+                # No tree (a late answer, say), or one for a state it has left.
+                req.miss = NoTree.LATE if not trees and self.drafter.remote else NoTree.STALE
+                continue
             problem = tree.check(
                 vocab_size=self.vocab_size,
                 max_nodes=self.spec.tree_size,
@@ -311,6 +363,7 @@ class DraftExchange:
             )
             if problem is not None:
                 logger.warning("request %s: draft tree rejected (%s)", req.request_id, problem)
+                req.miss = NoTree.STALE
                 continue
             room = req.length_limit(self.max_model_len) - req.num_computed
             req.tree = tree.prefix(max(1, room))
@@ -338,10 +391,8 @@ class DraftExchange:
 
     def _step_bytes(self, draft: bool) -> float:
         """Features sent per step beyond the first update: ``HELD_BYTES_PER_STEP`` over a wire
-        (one message stays far below its cap; ``SHARED_HELD_BYTES_PER_STEP`` through a buffer
-        the draft shares) and for K=0 flushes (nothing waits for them, so their draft work is
-        spread over steps); everything due when an in-process draft is about to draft (its
-        trees are wanted at the next step)."""
+        (``SHARED_HELD_BYTES_PER_STEP`` through a buffer the draft shares) and for K=0 flushes;
+        everything due when an in-process draft is about to draft."""
         if draft and not self.drafter.remote:
             return float("inf")
         return SHARED_HELD_BYTES_PER_STEP if self.drafter.shares_prompts else HELD_BYTES_PER_STEP
@@ -364,9 +415,16 @@ class DraftExchange:
             self.held.pop(request_id, None)
             lost = self._requests.get(request_id)
             if lost is not None and lost.in_draft:
-                # Its draft state is gone (and so are its prompt features here): no more trees.
-                logger.warning("request %s: dropped by the draft; not speculating", request_id)
-                lost.in_draft = lost.speculate = False
+                # Its draft state is gone (and so are its prompt features here): it decodes
+                # without trees until it is taken in again (``readmit``).
+                logger.info("request %s: dropped by the draft", request_id)
+                lost.in_draft = lost.parked = False
+
+    def readmit(self, scheduler: Scheduler) -> None:
+        """Takes in again the requests the draft lost, once it is healthy (``readmit.py``).
+        Called between steps, with nothing launched."""
+        self._apply_dropped()
+        readmit_lost(scheduler, self.drafter, self.max_model_len)
 
     def _features_complete(self, admit: DraftAdmit) -> bool:
         if not self.drafter.target_layer_ids:
@@ -381,6 +439,7 @@ class DraftExchange:
             features = torch.cat(req.draft_features)[: req.num_tokens - 1]
         req.draft_features = []
         req.in_draft = True
+        req.parked = self.separate_intake  # until its first trees are back
         return DraftAdmit(
             request_id=req.request_id,
             token_ids=req.tokens,
@@ -389,12 +448,3 @@ class DraftExchange:
             temperature=req.params.temperature,
             trace_context=req.trace_context,
         )
-
-
-def _gather_rows(features: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``features[rows]`` ([len(rows), F]) without a host synchronisation: a run of rows is a view
-    (plain decoding: every row in order), other rows go through an index in pinned memory (an index
-    from pageable memory would wait for the step decoding ahead, tandem/target/ahead.py)."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return features[rows[0] : rows[0] + len(rows)]
-    return features[device_ints(rows, features.device)]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.spec.types import VerifyOutcome
-from tandem.transfer import nbytes
+from tandem.transfer import device_ints, nbytes
 
 HELD_BYTES = 256 << 20  # features K=0 holds (all requests) at least, before runs go out
 HELD_MAX_BYTES = 4 << 30  # at most (and at most 1/8 of free device memory)
@@ -54,3 +54,12 @@ class Held:
             bonus_token_id=self.tokens[-1],
             features=features,
         )
+
+
+def gather_rows(features: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``features[rows]`` ([len(rows), F]) without a host synchronisation: a run of rows is a view
+    (plain decoding: every row in order), other rows go through an index in pinned memory (an index
+    from pageable memory would wait for the step decoding ahead, tandem/target/ahead.py)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return features[rows[0] : rows[0] + len(rows)]
+    return features[device_ints(rows, features.device)]

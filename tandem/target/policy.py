@@ -119,9 +119,6 @@ class _Bucket:
     ns: int = 0  # the window's time, or (exploiting) the time since the decision
     debt_ns: float = 0.0  # what the last window of the slower mode lost against the better
     unsettled: int = 0  # steps of this window skipped while the draft caught up
-    # Speculation's last window gave up (a draft service still taking in new prompts) and it
-    # has not been measured since: re-checks come every explore_steps only.
-    gave_up: bool = False
     # Decided from the bucket below (``SpecPolicy._new_bucket``) and not measured since:
     # re-checks every explore_steps (a measured decision, not a cold one).
     inherited: bool = False
@@ -129,7 +126,6 @@ class _Bucket:
     # decided), not measured since: a prediction, re-checked on a first decision's schedule,
     # as soon as the budget covers the catch-up.
     predicted: bool = False
-    ingesting: int = 0  # steps of this window that decoded plainly while the draft took in prompts
     catch_up: tuple[int, int] = (0, 0)  # their (tokens, ns)
     held_at_switch: int = 0  # tokens the draft had to take in when speculation was measured
     # Per mode, the (tokens, ns) its last window skipped: no part of its rate, but part of
@@ -176,30 +172,17 @@ class SpecPolicy:
         step_ns: int,
         *,
         settled: bool = True,
-        ingesting: bool = False,
         held: int = 0,
     ) -> None:
         """One step of ``batch_size`` requests in the mode ``speculate`` returned for it.
         ``settled=False``: the draft is still catching up after K=0 (runs or admits waiting);
         a measuring window skips up to ``max_unsettled_steps`` such steps, so it measures
         speculation itself (the catch-up is a switch's cost, which ``margin`` covers).
-        ``ingesting``: the step decoded with K=0 whatever the choice, while a draft service
-        took in new prompts (``DraftExchange.ingesting``); a window measures neither mode by
-        it (a plain step counted as speculation made it as fast as K=0: noise then chose
-        speculation at bs 8 and 64). After ``max_unsettled_steps`` of them a speculation
-        window gives up: K=0 until the next re-check (new prompts go out to a draft service
-        a few per step, and the steps between, which wait on the draft, stall).
         ``held``: tokens the draft would take in before speculating again (runs K=0 held,
         prompts waiting): a re-check of speculation is expected to cost their catch-up."""
         c, b = self.config, self._bucket(batch_size)
         self._held = held
         skipped = (b.catch_up[0] + committed_tokens, b.catch_up[1] + step_ns)
-        if ingesting and b.measuring:
-            b.ingesting += 1
-            b.catch_up = skipped
-            if b.mode is Mode.SPECULATE and b.ingesting > c.max_unsettled_steps:
-                self._give_up(b, batch_size)
-            return
         if not settled and b.measuring and b.unsettled < c.max_unsettled_steps:
             b.unsettled += 1
             b.catch_up = skipped
@@ -209,16 +192,15 @@ class SpecPolicy:
             b.tokens += committed_tokens
             b.ns += step_ns
             interval = min(c.explore_steps, c.first_explore_steps << max(0, b.decisions - 1))
-            if b.gave_up or b.inherited:
+            if b.inherited:
                 interval = c.explore_steps
             # A first decision its windows' median steps contradict is checked again at once:
             # a few cold steps (a first shape, a compile) slow a window's mean, not its median.
             paid = (b.decisions <= 1 and b.contested) or b.ns * c.explore_budget >= self._owed(b)
             if b.steps >= interval and paid:
-                # The other mode is measured again against what this one ran at since its
-                # decision, every step counted (catch-ups, steps while a draft service took in
-                # new prompts): a lucky window no longer holds a mode that runs slower. It
-                # stands as a window of window_steps (a debt is a window's loss).
+                # The other mode is measured again against what this one ran at since its decision,
+                # every step counted (catch-ups): a lucky window no longer holds a mode that runs
+                # slower. It stands as a window of window_steps (a debt is a window's loss).
                 if b.steps >= c.window_steps:
                     scale = c.window_steps / b.steps
                     b.windows[b.mode] = (round(b.tokens * scale), round(b.ns * scale))
@@ -238,12 +220,7 @@ class SpecPolicy:
             self.catch_up_ns_per_token = loss / b.held_at_switch
         b.typical[b.mode] = statistics.median(b.step_rates)
         b.inherited = b.predicted = False
-        b.gave_up = b.gave_up and b.mode is Mode.PLAIN
         other = _other(b.mode)
-        if other not in b.windows and b.gave_up:  # speculation could not be measured: K=0
-            b.decisions += 1
-            self._switch(b, Mode.PLAIN, measuring=False)
-            return
         if other not in b.windows:  # a new bucket: measure the other mode too
             self._switch(b, other, measuring=True)
             return
@@ -272,27 +249,6 @@ class SpecPolicy:
             b.unsettled,
         )
         self._switch(b, best, measuring=False)
-
-    def _give_up(self, b: _Bucket, batch_size: int) -> None:
-        """Speculation could not be measured (the draft is still taking in new prompts): K=0,
-        decided if it has a window, else measured and then decided. What the window's steps
-        took beyond K=0's rate (steps that waited on the draft between those taking in
-        prompts) is the debt the next re-check waits on, as after a lost window, and re-checks
-        come every ``explore_steps`` until speculation is measured: each attempt sends the
-        draft the batch's prompts (at bs 32 and 64 through the services every attempt gave up,
-        two or three a round)."""
-        logger.info(
-            "batch %d: speculation not measured (%d steps while the draft took in new prompts): "
-            "K=0",
-            batch_size,
-            b.ingesting,
-        )
-        decided = Mode.PLAIN in b.windows
-        if decided:
-            b.debt_ns = _loss_ns(*b.catch_up, b.rates[Mode.PLAIN])
-        b.decisions += decided
-        b.gave_up = True
-        self._switch(b, Mode.PLAIN, measuring=not decided)
 
     def _better(self, rates: dict[Mode, float]) -> Mode:
         """Speculation when it beats plain decoding by the margin."""
@@ -358,7 +314,7 @@ class SpecPolicy:
         if mode is not b.mode:
             self.switches += 1
         b.mode, b.measuring = mode, measuring
-        b.steps = b.tokens = b.ns = b.unsettled = b.ingesting = 0
+        b.steps = b.tokens = b.ns = b.unsettled = 0
         b.catch_up = (0, 0)
         b.step_rates = []
 

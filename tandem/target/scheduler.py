@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from tandem.errors import InvalidRequest, NotFound
 from tandem.kv import PageAllocator
 from tandem.request import FinishReason, Request, RequestOutput, RequestStatus
+from tandem.spec.types import NoTree
 
 
 @dataclass
@@ -86,9 +87,10 @@ class Scheduler:
         tokens = sum(r.num_tokens - r.num_computed for r in self.waiting)
         return tokens >= self.max_num_batched_tokens
 
-    def schedule(self, lane: int | None = None) -> ScheduledBatch:
-        """This step's batch: the running requests of ``lane`` (all when None), then waiting
-        requests of any lane. A prompt is no lane's yet: prefilled in the first step with room,
+    def schedule(self, lane: int | None = None, *, unparked: bool = False) -> ScheduledBatch:
+        """This step's batch: the running requests of ``lane`` (all when None; ``unparked``:
+        not those whose prompt a draft service is still taking in), then waiting requests of
+        any lane. A prompt is no lane's yet: prefilled in the first step with room,
         a burst split over two lanes takes as few steps as its tokens need (the gateway assigns
         lanes at admission, so a burst's first step held one lane's share of it: one extra
         2048-token step a bs-32 round); it decodes in its own lane from then on."""
@@ -100,12 +102,14 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier request of this step
+            if unparked and req.parked:
+                continue
             n = min(req.num_tokens - req.num_computed, budget)
             if req.tree is not None and (
                 len(req.tree) > budget
                 or not self.allocator.can_extend(req.request_id, self._kv_need(req, len(req.tree)))
             ):
-                req.tree = None
+                req.tree, req.miss = None, NoTree.CAPACITY
             if req.tree is not None:
                 n = len(req.tree)
             num_running = len(self.running)
@@ -134,6 +138,18 @@ class Scheduler:
             budget -= n
         return batch
 
+    def recompute(self, req: Request) -> None:
+        """Preempts a running request (its KV is recomputed with its next prefill, which
+        gathers the features a draft needs to take it in again); others are left alone."""
+        if req.status is RequestStatus.RUNNING:
+            self._preempt(req)
+
+    def has_ready(self, lane: int | None) -> bool:
+        """Whether a step of ``lane`` (all when None) has something to run besides parked
+        requests: a running request not parked, or a prompt waiting."""
+        lane_reqs = [r for r in self.running if lane is None or r.lane == lane]
+        return bool(self.waiting) or any(not r.parked for r in lane_reqs)
+
     def lanes_with_work(self) -> set[int]:
         return {r.lane for r in self.running} | {r.lane for r in self.waiting}
 
@@ -160,6 +176,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         req.tree = None
+        req.parked = False
         req.draft_features = []
         self._release(req)
         self.waiting.appendleft(req)

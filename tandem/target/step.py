@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from tandem.clock import StepTiming
 from tandem.request import RequestOutput
-from tandem.spec.types import SpecStats
+from tandem.spec.types import NoTree, SpecStats
 
 MAX_LANES = 2  # lanes 0 and 1 (docs/design.md section 5)
 
@@ -28,7 +28,7 @@ class StepPlan:
     last_lane: int  # the lane the last step ran
     speculate: bool  # the lane runs with trees (K > 0); False: K=0, plain decoding
     policy_batch: int  # the batch size the adaptive policy counts the step at; 0: not counted
-    ingesting: bool  # a draft service is taking in new prompts: K=0 meanwhile, not waited for
+    plain: NoTree | None = None  # why a step with a drafter runs K=0 (decode steps' counters)
 
 
 @dataclass(frozen=True, kw_only=True)

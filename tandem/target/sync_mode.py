@@ -3,7 +3,7 @@ outcome to the draft. Every other mode falls back to it; it takes every plan.
 
 With a drafter, a speculating step runs one lane (the draft drafts the other meanwhile) and
 may start a device-chain run instead (``ChainMode.start``) once its trees are in. A K=0 step
-(the adaptive policy, or a draft service taking in prompts) steps every lane at once without
+(the adaptive policy) steps every lane at once without
 waiting on the draft: the answers drafted meanwhile are stale by then.
 """
 
@@ -52,13 +52,17 @@ class SyncMode(StepMode):
         if not plan.lanes:
             return StepResult(outputs=[], lane=plan.last_lane)
         exchange, lane = self.exchange, plan.lane
+        if exchange is not None:
+            exchange.readmit(self.scheduler)
         step_lane: int | None = lane
         can_send = True
         # Trees are missing while the draft catches up after K=0: the policy skips such steps.
         catching_up = exchange is not None and plan.speculate and exchange.catching_up
         if exchange is not None and plan.speculate:
             exchange.collect_idle(set(plan.lanes))
+            exchange.collect_moved(lane)
             exchange.collect(lane)
+            exchange.settle_intake(block=not self.scheduler.has_ready(lane))
             started = self.chain.start(plan) if self.chain is not None else None
             if started is not None:
                 return started
@@ -69,7 +73,7 @@ class SyncMode(StepMode):
             step_lane = None
             lane = send_lane if send_lane is not None else 0
             can_send = send_lane is not None
-        batch = self.scheduler.schedule(step_lane)
+        batch = self.scheduler.schedule(step_lane, unparked=plan.speculate)
         if not batch:
             return StepResult(outputs=[], lane=lane, speculated=plan.speculate)
         decoding = [req.decoding for req in batch.requests]
@@ -86,7 +90,7 @@ class SyncMode(StepMode):
         )
         forward_ns = self.clock.elapsed_ns()
         stats = SpecStats()
-        commit(self.kv, batch.requests, batch.num_new_tokens, decoding, verified, stats)
+        commit(self.kv, batch.requests, batch.num_new_tokens, decoding, verified, stats, plan.plain)
         results = self.scheduler.postprocess(
             batch,
             [v.new_tokens if v else [] for v in verified],

@@ -146,20 +146,40 @@ class SpeculationParams(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., draft_kind: _Optional[_Union[DraftKind, str]] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "verify_steps", "accept_length")
+    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "verify_steps", "accept_length", "drafted_steps", "steps_without_tree")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_WITHOUT_TREE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     draft_tokens: int
     accepted_tokens: int
     verify_steps: int
     accept_length: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., accept_length: _Optional[float] = ...) -> None: ...
+    drafted_steps: int
+    steps_without_tree: StepsWithoutTree
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., accept_length: _Optional[float] = ..., drafted_steps: _Optional[int] = ..., steps_without_tree: _Optional[_Union[StepsWithoutTree, _Mapping]] = ...) -> None: ...
+
+class StepsWithoutTree(_message.Message):
+    __slots__ = ("policy", "late", "stale", "not_in_draft", "opted_out", "capacity")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    NOT_IN_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    OPTED_OUT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    policy: int
+    late: int
+    stale: int
+    not_in_draft: int
+    opted_out: int
+    capacity: int
+    def __init__(self, policy: _Optional[int] = ..., late: _Optional[int] = ..., stale: _Optional[int] = ..., not_in_draft: _Optional[int] = ..., opted_out: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class TraceContext(_message.Message):
     __slots__ = ("carrier",)

@@ -98,7 +98,7 @@ class Commit(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("batch_size", "num_speculating", "draft_fallback", "speculation", "num_draft_tokens", "num_accepted_tokens", "num_accepted_per_pos", "num_committed_tokens", "draft_ns", "wire_ns", "verify_ns", "host_ns", "step_ns")
+    __slots__ = ("batch_size", "num_speculating", "draft_fallback", "speculation", "num_draft_tokens", "num_accepted_tokens", "num_accepted_per_pos", "num_committed_tokens", "draft_ns", "wire_ns", "verify_ns", "host_ns", "step_ns", "without_tree")
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FALLBACK_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class StepStats(_message.Message):
     VERIFY_NS_FIELD_NUMBER: _ClassVar[int]
     HOST_NS_FIELD_NUMBER: _ClassVar[int]
     STEP_NS_FIELD_NUMBER: _ClassVar[int]
+    WITHOUT_TREE_FIELD_NUMBER: _ClassVar[int]
     batch_size: int
     num_speculating: int
     draft_fallback: bool
@@ -125,21 +126,28 @@ class StepStats(_message.Message):
     verify_ns: int
     host_ns: int
     step_ns: int
-    def __init__(self, batch_size: _Optional[int] = ..., num_speculating: _Optional[int] = ..., draft_fallback: _Optional[bool] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_per_pos: _Optional[_Iterable[int]] = ..., num_committed_tokens: _Optional[int] = ..., draft_ns: _Optional[int] = ..., wire_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., host_ns: _Optional[int] = ..., step_ns: _Optional[int] = ...) -> None: ...
+    without_tree: _common_pb2.StepsWithoutTree
+    def __init__(self, batch_size: _Optional[int] = ..., num_speculating: _Optional[int] = ..., draft_fallback: _Optional[bool] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_per_pos: _Optional[_Iterable[int]] = ..., num_committed_tokens: _Optional[int] = ..., draft_ns: _Optional[int] = ..., wire_ns: _Optional[int] = ..., verify_ns: _Optional[int] = ..., host_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., without_tree: _Optional[_Union[_common_pb2.StepsWithoutTree, _Mapping]] = ...) -> None: ...
 
 class TargetStatus(_message.Message):
-    __slots__ = ("kv_usage", "draft_kv_usage", "draft_state", "num_running", "num_waiting")
+    __slots__ = ("kv_usage", "draft_kv_usage", "draft_state", "num_running", "num_waiting", "verify_steps", "drafted_steps", "steps_without_tree")
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_WITHOUT_TREE_FIELD_NUMBER: _ClassVar[int]
     kv_usage: _common_pb2.KvUsage
     draft_kv_usage: _common_pb2.KvUsage
     draft_state: _common_pb2.DraftState
     num_running: int
     num_waiting: int
-    def __init__(self, kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., draft_kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., draft_state: _Optional[_Union[_common_pb2.DraftState, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+    verify_steps: int
+    drafted_steps: int
+    steps_without_tree: _common_pb2.StepsWithoutTree
+    def __init__(self, kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., draft_kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., draft_state: _Optional[_Union[_common_pb2.DraftState, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., verify_steps: _Optional[int] = ..., drafted_steps: _Optional[int] = ..., steps_without_tree: _Optional[_Union[_common_pb2.StepsWithoutTree, _Mapping]] = ...) -> None: ...
 
 class TargetServiceGetInfoRequest(_message.Message):
     __slots__ = ()

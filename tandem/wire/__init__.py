@@ -21,10 +21,12 @@ from tandem.wire.convert import (
     tree_from_proto,
     tree_to_proto,
     usage_to_proto,
+    without_tree_to_proto,
 )
 from tandem.wire.frames import (
     MAX_FRAME_BYTES,
     MAX_NDIM,
+    Expected,
     FrameAssembler,
     proto_dtype,
     tensor_from_frames,
@@ -51,6 +53,7 @@ __all__ = [
     "MAX_TEMPERATURE",
     "PROTOCOL_VERSION",
     "EncodedFrame",
+    "Expected",
     "FrameAssembler",
     "admit_from_proto",
     "admit_to_proto",
@@ -77,4 +80,5 @@ __all__ = [
     "tree_to_proto",
     "usage_to_proto",
     "varint",
+    "without_tree_to_proto",
 ]

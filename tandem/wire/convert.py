@@ -9,16 +9,16 @@ a receiver never needs the sender's defaults. Floats travel as float32.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from tandem.errors import InvalidRequest
 from tandem.request import FinishReason
 from tandem.sampling import SamplingParams
-from tandem.spec.types import DraftAdmit, SpecConfig, SpecStats, Tree, VerifyOutcome
+from tandem.spec.types import DraftAdmit, NoTree, SpecConfig, SpecStats, Tree, VerifyOutcome
 from tandem.v1 import common_pb2, draft_pb2
-from tandem.wire.frames import MAX_FRAME_BYTES, _field, tensor_from_frames
+from tandem.wire.frames import MAX_FRAME_BYTES, Expected, _field, tensor_from_frames
 from tandem.wire.framing import add_frames, tensor_to_frames
 
 HIDDEN_STATES = "hidden_states"  # TensorFrame.name of prompt and outcome features
@@ -273,12 +273,15 @@ def outcome_from_proto(
     path: str = "outcome",
     vocab_size: int | None = None,
     feature_size: int | None = None,
+    feature_dtype: torch.dtype | None = None,
     shared: Callable[[int, int], torch.Tensor] | None = None,
 ) -> VerifyOutcome:
     """A validated VerifyOutcome (features None when no frames came); ``max_bytes`` caps the
     feature tensor; ``shared`` reads a frame that names a shared buffer's bytes
-    (``FrameAssembler``). ``committed_len`` is only checked for consistency here (>= accepted
-    + 2); a receiver that tracks lengths compares it with its own."""
+    (``FrameAssembler``); with ``feature_size`` and ``feature_dtype`` (what the stream
+    negotiated) the frames' header must announce exactly [accepted + 1, feature_size] of it.
+    ``committed_len`` is only checked for consistency here (>= accepted + 2); a receiver that
+    tracks lengths compares it with its own."""
     _require_id(msg.request_id, path)
     num_accepted = len(msg.accepted_token_ids)
     _check_ids(msg.accepted_token_ids, vocab_size, _field(path, "accepted_token_ids"))
@@ -298,8 +301,11 @@ def outcome_from_proto(
     features = None
     if msg.hidden_states:
         field = _field(path, "hidden_states")
+        expect = None
+        if feature_size is not None and feature_dtype is not None:
+            expect = Expected(feature_dtype, (num_accepted + 1, feature_size))
         features = tensor_from_frames(
-            msg.hidden_states, max_bytes=max_bytes, path=field, shared=shared
+            msg.hidden_states, max_bytes=max_bytes, path=field, shared=shared, expect=expect
         )
         _check_features(features, num_accepted + 1, feature_size, field)
     return VerifyOutcome(
@@ -338,7 +344,14 @@ def usage_to_proto(
         accepted_tokens=stats.accepted_tokens,
         verify_steps=stats.verify_steps,
         accept_length=stats.accept_length,
+        drafted_steps=stats.drafts,
+        steps_without_tree=without_tree_to_proto(stats.without_tree),
     )
+
+
+def without_tree_to_proto(counts: Mapping[NoTree, int]) -> common_pb2.StepsWithoutTree:
+    """Decode steps without a draft token, by cause (the fields are named as the causes)."""
+    return common_pb2.StepsWithoutTree(**{str(cause): n for cause, n in counts.items()})
 
 
 def _require_id(request_id: str, path: str) -> None:

@@ -4,8 +4,11 @@ Tensors travel as their raw row-major little-endian element bytes (docs/design.m
 as its uint16 bit pattern): a `Tensor` message for small ones, `TensorFrame` chunks of at most
 4 MiB serialized for anything that grows with the prompt or the batch (built by
 ``tandem.wire.framing``). Decoding trusts nothing:
-dtype, shape, sizes, chunk order and a byte cap are checked before a buffer is allocated, and
-every mismatch raises `InvalidRequest` naming the field. There is no pickle and no `torch.load`
+dtype, shape, sizes, chunk order and a byte cap (and, where the receiver knows it, the exact
+dtype and shape it expects) are checked before a byte is copied, and every mismatch raises
+`InvalidRequest` naming the field. A tensor's buffer grows with the chunks that arrive, never
+with the size its first chunk announces, so frames that announce more than they carry cost
+what they carry. There is no pickle and no `torch.load`
 here; bytes become tensors only through `torch.frombuffer` on a private copy.
 
 Hosts are little-endian (x86-64, aarch64), so element bytes are sent and received as they lie in
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,6 +50,18 @@ _DTYPES: dict[common_pb2.Dtype, torch.dtype] = {
 _PROTO_DTYPES: dict[torch.dtype, common_pb2.Dtype] = {v: k for k, v in _DTYPES.items()}
 
 _I64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The dtype and shape a receiver knows a tensor must have (negotiated on its stream)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def proto_dtype(dtype: torch.dtype) -> common_pb2.Dtype:
@@ -88,10 +104,11 @@ def tensor_from_frames(
     max_bytes: int,
     path: str = "",
     shared: Callable[[int, int], torch.Tensor] | None = None,
+    expect: Expected | None = None,
 ) -> torch.Tensor:
     """Decode exactly one tensor from all of its frames (e.g. a repeated TensorFrame field);
-    ``shared`` as for ``FrameAssembler``."""
-    assembler = FrameAssembler(max_bytes=max_bytes, path=path, shared=shared)
+    ``shared`` and ``expect`` as for ``FrameAssembler``."""
+    assembler = FrameAssembler(max_bytes=max_bytes, path=path, shared=shared, expect=expect)
     result: torch.Tensor | None = None
     for frame in frames:
         if result is not None:
@@ -105,10 +122,11 @@ def tensor_from_frames(
 class FrameAssembler:
     """Rebuilds tensors from their `TensorFrame`s, one tensor at a time, checking each frame.
 
-    Frames of a tensor must arrive in order. Chunk 0 announces the total size, which is checked
-    against `max_bytes` before the buffer is allocated. `add` returns the tensor with its last
-    chunk and the assembler is then ready for the next tensor; after an InvalidRequest it drops
-    the partial tensor and is likewise ready for a chunk 0.
+    Frames of a tensor must arrive in order. Chunk 0 announces the dtype, shape and total size,
+    checked against `max_bytes` (and `expect`, the dtype and shape the stream negotiated, where
+    given) before anything is copied; the buffer then grows chunk by chunk. `add` returns the
+    tensor with its last chunk and the assembler is then ready for the next tensor; after an
+    InvalidRequest it drops the partial tensor and is likewise ready for a chunk 0.
     """
 
     def __init__(
@@ -117,11 +135,13 @@ class FrameAssembler:
         max_bytes: int,
         path: str = "",
         shared: Callable[[int, int], torch.Tensor] | None = None,
+        expect: Expected | None = None,
     ) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self.path = path
+        self.expect = expect
         # A tensor in a shared buffer (``shared_offset``): (offset, bytes) -> a uint8 copy of
         # them; InvalidRequest when they lie outside it. None: such frames are refused.
         self.shared = shared
@@ -180,11 +200,25 @@ class FrameAssembler:
         self._name = frame.name
         self._num_chunks = frame.num_chunks
         self._total_bytes = frame.total_bytes
-        # A tensor in one chunk takes a copy of that chunk in _append instead (no zero fill).
-        self._buffer = bytearray(frame.total_bytes if frame.num_chunks > 1 else 0)
+        # Grown by each chunk (``_append``): memory follows the bytes received, not the bytes
+        # announced (a large buffer's realloc moves pages, not bytes).
+        self._buffer = bytearray()
 
     def _header(self, frame: TensorFrame) -> tuple[torch.dtype, tuple[int, ...]]:
-        """A first chunk's dtype and shape, checked against its size and ``max_bytes``."""
+        """A first chunk's dtype and shape, checked against ``expect`` first, then against
+        its size and ``max_bytes``."""
+        expect = self.expect
+        if expect is not None:
+            dtype = torch_dtype(frame.dtype, path=self.path)
+            if dtype != expect.dtype:
+                raise InvalidRequest(
+                    self._field("dtype"), f"{dtype}, the stream negotiated {expect.dtype}"
+                )
+            if len(frame.shape) != len(expect.shape) or tuple(frame.shape) != expect.shape:
+                shown = list(frame.shape[: MAX_NDIM + 1])
+                raise InvalidRequest(
+                    self._field("shape"), f"{shown}, expected {list(expect.shape)}"
+                )
         return _check_header(
             frame.dtype,
             frame.shape,
@@ -257,10 +291,7 @@ class FrameAssembler:
             raise InvalidRequest(
                 self._field("num_chunks"), f"data complete at chunk {frame.chunk_index}"
             )
-        if self._num_chunks == 1:
-            self._buffer = bytearray(data)
-        else:
-            self._buffer[self._received : end] = data
+        self._buffer += data
         self._received = end
         self._next_index += 1
 

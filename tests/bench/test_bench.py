@@ -69,6 +69,10 @@ def test_bench_smoke(tmp_path: Path) -> None:
     for bs in (1, 2):  # requests that opted out of speculation: no draft work
         assert rows[("services-plain", bs)]["accept_length"] == 1.0
         assert rows[("services-plain", bs)]["draft_ms"] == 0.0
+        assert rows[("services-plain", bs)]["tree_fraction"] == 0.0
+        assert set(rows[("services-plain", bs)]["without_tree"]) == {"opted_out"}
+        for mode in ("spec", "services", "services-control"):
+            assert 0.0 < rows[(mode, bs)]["tree_fraction"] <= 1.0, (mode, bs)
     # The draft's own step log: every step it answered, with where its time went.
     drafted = [json.loads(line) for line in (tmp_path / "logs" / "draft-steps.jsonl").open()]
     drafted = [s for s in drafted if s["requests"]]  # (the hello's step drafts nothing)

@@ -13,12 +13,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from tandem.apps.demo import free_port
-from tandem.apps.launch import Stack, build_stack
+from tandem.apps.launch import Stack
 from tandem.serving.security import token_metadata
-from tandem.testing.random_drafts import make_eagle3_checkpoint
-from tandem.testing.random_model import make_checkpoint
 from tandem.v1 import common_pb2, draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
+from tests.helpers.stacks import cpu_stack, random_family
 
 pytestmark = pytest.mark.e2e
 
@@ -47,20 +45,10 @@ METHODS = [
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
     root = tmp_path_factory.mktemp("hostile")
-    target = make_checkpoint(root / "target", "llama", seed=12, num_hidden_layers=2)
-    eagle3 = make_eagle3_checkpoint(root / "eagle3", target, draft_vocab_size=1024, seed=2)
-    running: Stack = build_stack(
-        target=target,
-        draft=eagle3,
-        draft_kind="eagle3",
-        mtp_mode="chain",
-        spec_args=[],
-        page_size=16,
-        device="cpu",
-        dtype="float32",
-        gateway_port=free_port(),
-        target_port=free_port(),
-        draft_port=free_port(),
+    target, eagle3 = random_family(root)
+    running: Stack = cpu_stack(
+        target,
+        eagle3,
         extra_gateway_args=["--auth-token", TOKEN],
     )
     running.start(log_dir=root / "logs")

@@ -90,7 +90,10 @@ def test_images_and_builds() -> None:
         service = SERVICES[name]
         gpu = profile == "gpu" and module != "gateway"  # the gateway holds no model
         dockerfile = "docker/Dockerfile.gpu" if gpu else "docker/Dockerfile.cpu"
-        assert service["build"] == {"context": ".", "dockerfile": dockerfile}, name
+        build = {"context": ".", "dockerfile": dockerfile}
+        if not gpu:  # the CPU image's base: made from Debian's packages by default
+            build["args"] = {"BASE_IMAGE": "${TANDEM_BASE_IMAGE:-tandem-base:bookworm}"}
+        assert service["build"] == build, name
         assert service["image"] == ("tandem:gpu" if gpu else "tandem:cpu"), name
         assert (ROOT / dockerfile).is_file()
         assert "./checkpoints:/app/checkpoints:ro" in service["volumes"]
@@ -144,10 +147,11 @@ def test_depends_on_waits_for_healthy_services() -> None:
 
 
 def test_ports_publish_only_the_public_faces() -> None:
+    published = "${TANDEM_GATEWAY_PORT:-50051}"
     gateway_port = flag(SERVICES["gateway"]["command"], "--port")
-    assert SERVICES["gateway"]["ports"] == [f"50051:{gateway_port}"]
+    assert SERVICES["gateway"]["ports"] == [f"{published}:{gateway_port}"]
     gateway_cpu_port = flag(SERVICES["gateway-cpu"]["command"], "--port")
-    assert SERVICES["cpu-pod"]["ports"] == [f"50051:{gateway_cpu_port}"]
+    assert SERVICES["cpu-pod"]["ports"] == [f"{published}:{gateway_cpu_port}"]
     for name in ("draft", "target", "draft-cpu", "target-cpu", "gateway-cpu"):
         assert "ports" not in SERVICES[name], f"{name} must not be published"
     for name in ("draft", "target"):
@@ -251,6 +255,25 @@ def test_cpu_profile_runs_exactly_what_tandem_serve_starts(
     assert pod["entrypoint"] == ["sleep", "infinity"] and pod["init"] is True
 
 
+def test_the_override_without_telemetry_leaves_out_only_the_collector_and_jaeger() -> None:
+    """docker/compose.no-telemetry.yaml, for hosts without those images: both move to a
+    profile neither cpu nor gpu turns on, nothing waits for the collector, nothing exports."""
+    override = yaml.safe_load((ROOT / "docker/compose.no-telemetry.yaml").read_text())
+    assert override["name"] == COMPOSE["name"]
+    services = override["services"]
+    assert set(services) == {*TANDEM, "otel-collector", "jaeger"}
+    for name in ("otel-collector", "jaeger"):
+        assert services[name] == {"profiles": ["telemetry"]}
+    for name in TANDEM:
+        assert services[name]["depends_on"] == {
+            "otel-collector": {"condition": "service_started", "required": False}
+        }
+        assert services[name]["environment"] == {
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_METRICS_EXPORTER": "none",
+        }
+
+
 # ---- Dockerfiles ----
 
 
@@ -284,9 +307,12 @@ def test_dockerfile_commands_are_accepted_by_the_cli(name: str) -> None:
         assert (ROOT / source).exists(), source
         assert f"!{source}" in ignore, f".dockerignore leaves {source} out of the context"
     assert {"tandem", "gateway", "target_service", "draft_service", "kernels"} <= set(copied)
-    args = {rest.split("=")[0]: rest.split("=", 1)[1] for k, rest in steps if k == "ARG"}
+    args = {rest.partition("=")[0]: rest.partition("=")[2] for k, rest in steps if k == "ARG"}
     if name == "cpu":
-        assert next(rest for k, rest in steps if k == "FROM") == "python:3.12-slim"
+        # Any base with python3 and venv; docker/base-image.sh makes the default locally.
+        assert ("FROM", "${BASE_IMAGE}") in steps
+        assert args["BASE_IMAGE"] == "tandem-base:bookworm"
+        assert "tandem-base:bookworm" in (ROOT / "docker/base-image.sh").read_text()
         assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
     else:
         assert args["CUDA_IMAGE"].startswith("nvidia/cuda:")

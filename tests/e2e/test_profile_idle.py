@@ -39,7 +39,7 @@ def test_profiled_rounds_give_both_windows_and_an_idle_figure(tmp_path: Path, po
     stack = services.start_stack(
         target,
         draft,
-        spec_steps=S,
+        spec=SpecConfig(num_steps=S),
         device="cpu",
         dtype="float32",
         page_size=16,

@@ -130,8 +130,8 @@ def test_target_refusal_reaches_the_client(words: Path) -> None:
 
 
 def test_target_death_fails_requests_quickly_and_reconnects(words: Path) -> None:
-    async def body() -> None:
-        async with stack(words, step_s=0.01) as s:
+    async def body() -> None:  # failover off (test_gateway_failover.py has it on)
+        async with stack(words, step_s=0.01, failover_wait_s=0) as s:
             assert await health_status(s.health) == SERVING
             call = s.stub.Generate(ids_request([5, 6], max_new_tokens=MAX_MODEL_LEN - 2))
             assert (await call.read()).chunk.token_ids

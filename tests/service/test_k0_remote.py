@@ -1,12 +1,8 @@
 """K=0 steps against a real draft service: they never wait on the draft (answers still being
 drafted are left out and made stale), held runs and admits go out on a lane with no answer
-outstanding, and switching modes at any step leaves greedy output and both pools unchanged.
-While the draft takes in new prompts the engine decodes with K=0 instead of waiting."""
+outstanding, and switching modes at any step leaves greedy output and both pools unchanged."""
 
 from __future__ import annotations
-
-import threading
-import time
 
 import pytest
 import torch
@@ -14,7 +10,6 @@ import torch
 from tandem.config import EngineConfig
 from tandem.sampling import SamplingParams
 from tandem.target.engine import Engine
-from tandem.target.policy import SpecPolicy
 from tests.helpers.draft_service import (
     SPEC,
     Ckpts,
@@ -116,59 +111,4 @@ def test_k0_holds_features_for_a_draft_service_as_in_process(
         assert 0 < peak <= hold.HELD_BYTES and sent == []
         assert_draft_released_all(server)
     finally:
-        remote.close()
-
-
-def test_new_prompts_decode_plainly_while_the_draft_takes_them_in(
-    server: ServerThread,
-    ckpts: Ckpts,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A message of INGEST_BYTES of features or more (here: any) is not waited for: with the
-    draft's worker held busy, the steps after the prompts' admission decode with K=0 and
-    return at once (the deadline is 10 s), telling the policy they measure neither mode; once
-    the draft answers, speculation resumes on the tokens committed meanwhile, and the output
-    is target-only's."""
-
-    class Told(SpecPolicy):  # always speculates; remembers each step's ``ingesting``
-        def __init__(self) -> None:
-            super().__init__()
-            self.ingesting: list[bool] = []
-
-        def speculate(self, batch_size: int) -> bool:
-            return True
-
-        def record(self, *args: int, ingesting: bool = False, **kwargs: bool) -> None:
-            self.ingesting.append(ingesting)
-
-    from tandem.target import exchange
-
-    monkeypatch.setattr(exchange, "INGEST_BYTES", 1)
-    prompts, params, config, reference = workload(ckpts, Feed(4), (5, 13, 8), 32)
-    remote = remote_drafter(server, deadline_s=10.0)
-    gate = threading.Event()
-    try:
-        engine = Engine(config, drafter=remote, spec=SPEC)
-        engine.policy = told = Told()
-        ids = [engine.add_request(p, params) for p in prompts]
-        # The draft's one worker thread waits: the admits' answer cannot come yet.
-        server.server.engine._executor.submit(gate.wait)
-        engine.step()  # the prompts: their features go to the draft
-        for _ in range(4):
-            started = time.monotonic()
-            assert not engine.step().speculated
-            assert time.monotonic() - started < 5.0  # not waiting for the answer
-        assert told.ingesting and all(told.ingesting)  # decoding-ahead steps record late
-        gate.set()
-        while engine.has_unfinished():
-            engine.step()
-        engine.flush_draft()
-        results = [engine.pop_finished(i) for i in ids]
-        assert [r.token_ids for r in results] == reference
-        assert sum(r.stats.draft_tokens for r in results) > 0  # speculation resumed
-        assert not told.ingesting[-1]
-        assert remote.late_steps == 0 and remote.take_dropped() == []
-        assert_pools_free(engine, server)
-    finally:
-        gate.set()
         remote.close()

@@ -162,11 +162,12 @@ def test_admits_wait_only_for_a_wire(
     ckpts: Checkpoints, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch, remote: bool
 ) -> None:
     """Speculating, an in-process draft gets every admit when its prompt completes; to a draft
-    service (``Drafter.remote``) admits go out within the per-step byte budget (here one per
-    step), so some wait a step."""
+    service (``Drafter.remote``) admits go out on the intake lane, ``INTAKE_BYTES`` of features
+    a message and one message outstanding (here one admit a message), so some wait."""
     from tandem.target import exchange
 
     monkeypatch.setattr(exchange, "HELD_BYTES_PER_STEP", 1)
+    monkeypatch.setattr(exchange, "INTAKE_BYTES", 1)
     engine = ckpts.engine("eagle3", SpecConfig(num_steps=3, topk=1), page_size=4)
     assert engine.drafter is not None and engine.exchange is not None
     engine.drafter.remote = remote

@@ -53,26 +53,26 @@ def test_two_lanes_with_moves_equal_target_only(
         assert kv.allocator.num_free_pages == kv.allocator.num_pages
 
 
-def test_a_tree_for_an_old_state_is_never_verified(ckpts: Checkpoints) -> None:
-    """A request moved right after its outcome went out in lane 0 steps in lane 1 before lane
-    0's answer is collected: the tree in that answer is stale by then and is dropped."""
+def test_a_request_moved_to_the_other_lane_keeps_its_tree(ckpts: Checkpoints) -> None:
+    """A request moved right after its outcome went out in lane 0 steps in lane 1 with the
+    tree of lane 0's answer, collected first (``DraftExchange.collect_moved``): a move costs
+    it no step without a tree; the others of lane 0 keep theirs for lane 0's next step."""
     engine = ckpts.engine("model", SpecConfig(num_steps=3, topk=1), page_size=4)
     prompts = ragged_prompts()
     a = engine.add_request(prompts[1], greedy(24), lane=0)
     c = engine.add_request(prompts[0], greedy(24), lane=0)
     b = engine.add_request(prompts[2], greedy(24), lane=1)
-    req = engine._requests[a]
+    req, other = engine._requests[a], engine._requests[c]
     step = engine.step()  # lane 0: every prompt (b's too); their admits go to the draft
     assert step.lane == 0 and req.in_draft and req.tree is None
     engine.set_lane([a], 1)  # a's first tree is in lane 0's uncollected answer
     steps, drafted = req.stats.verify_steps, req.stats.draft_tokens
-    step = engine.step()  # lane 1: a decodes without a tree, and b (its prompt ran in lane 0)
+    step = engine.step()  # lane 1: lane 0's answer is collected first; a verifies its tree
     assert step.lane == 1
-    assert (req.stats.verify_steps, req.stats.draft_tokens) == (steps + 1, drafted)
-    step = engine.step()  # lane 0 collects: a's tree answers a state a has left
-    assert step.lane == 0 and req.tree is None
-    step = engine.step()  # lane 1 collects a's current tree and verifies it
-    assert step.lane == 1 and req.stats.draft_tokens == drafted + 3
+    assert (req.stats.verify_steps, req.stats.draft_tokens) == (steps + 1, drafted + 3)
+    assert other.tree is not None  # c's tree waits for lane 0's step
+    step = engine.step()
+    assert step.lane == 0 and other.stats.draft_tokens == 3
     while engine.has_unfinished():
         engine.step()
     engine.flush_draft()

@@ -69,68 +69,6 @@ def test_a_badly_losing_mode_is_rarely_measured_again(budget: float) -> None:
     assert (plain_runs[:2] != schedule[:2]) is (budget < 1.0)
 
 
-def test_a_speculation_window_that_only_sees_the_draft_ingest_gives_up() -> None:
-    """Past max_unsettled_steps steps of ingest a speculation window gives up for K=0: measured
-    when the bucket is new, decided (re-checked later, as after any decision) when K=0 has a
-    window; speculation's rate is never made of plain steps."""
-    config = PolicyConfig(window_steps=4, settle_steps=0, max_unsettled_steps=5)
-    policy = SpecPolicy(config)
-    for _ in range(6):  # a new bucket measures speculation first: it only ingests
-        assert policy.speculate(1)
-        policy.record(1, 1, 1_000_000, ingesting=True)
-    assert not policy.speculate(1) and policy._bucket(1).measuring  # K=0 measured
-    for _ in range(4):
-        policy.record(1, 1, 1_000_000)
-    assert policy.rates(1) == {"plain": 1000.0}
-    bucket = policy._bucket(1)
-    # K=0 decided, not speculation measured again at once: it gave up
-    assert not policy.speculate(1) and not bucket.measuring and bucket.decisions == 1
-    bucket.mode, bucket.measuring = Mode.SPECULATE, True  # a re-check
-    policy.record(1, 0, 60_000_000, settled=False)  # a step that waited 60 ms on the draft
-    for _ in range(6):
-        policy.record(1, 1, 1_000_000, ingesting=True)
-    assert not policy.speculate(1) and not bucket.measuring  # K=0, decided
-    assert policy.rates(1) == {"plain": 1000.0} and bucket.decisions == 2
-    # The wait is the debt: 66 ms for 6 tokens at 1000 tokens/s. The next re-check waits for
-    # the budget to cover it, not the 32 steps after a first decision.
-    assert bucket.debt_ns == pytest.approx(loss_ns(6, 66_000_000, 1000.0)) == 60_000_000
-    waited = 0
-    while not policy.speculate(1):
-        policy.record(1, 1, 1_000_000)
-        waited += 1
-    assert waited == recheck_after(config, bucket.debt_ns, 1_000_000, 2, every=config.explore_steps)
-    assert waited > config.explore_steps  # the budget, not the schedule
-
-
-def test_after_a_give_up_speculation_is_re_checked_every_explore_steps() -> None:
-    """Each attempt at speculation while a draft service takes in new prompts sends it the
-    batch's prompts; after a give-up the re-checks come every explore_steps (not after 32, 64,
-    ... steps), until a speculation window is measured again."""
-    config = PolicyConfig(window_steps=4, settle_steps=0, max_unsettled_steps=5, explore_steps=300)
-    policy = SpecPolicy(config)
-    spec, plain = (12, 2_000_000), (8, 1_000_000)
-
-    def step(i: int, on: bool) -> None:
-        # the draft takes in prompts until step 700; then speculation is measured (and loses)
-        policy.record(8, *(spec if on else plain), ingesting=on and i < 700)
-
-    modes = []
-    for i in range(1000):
-        modes.append(policy.speculate(8))
-        step(i, modes[-1])
-    attempt = config.max_unsettled_steps + 1  # steps before it gives up
-    # The first attempt: K=0 measured, decided, and speculation attempted again after
-    # explore_steps (nothing owed yet); the second: decided at once, owing the attempt's loss,
-    # which the budget covers by explore_steps.
-    first = attempt + window(config) + recheck_after(config, 0.0, plain[1], 1, every=300)
-    n = config.window_steps
-    owed = loss_ns(attempt * spec[0], attempt * spec[1], rate((n * plain[0], n * plain[1])))
-    second = first + attempt + recheck_after(config, owed, plain[1], 2, every=300)
-    assert [0, *starts(modes)][:3] == [0, first, second]
-    bucket = policy._bucket(8)
-    assert not bucket.gave_up and policy.rates(8)["speculate"] == pytest.approx(6000.0)
-
-
 def test_a_costly_catch_up_counts_in_what_measuring_speculation_cost() -> None:
     """At bs 64 speculation loses (141 tokens in 30 ms against 64 in 10 ms), and each re-check
     from K=0 first pays the draft's catch-up: 5 steps of 100 ms for 64 tokens. The window skips

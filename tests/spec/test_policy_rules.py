@@ -194,28 +194,6 @@ def test_a_window_skips_the_drafts_catch_up() -> None:
     assert lagging.rates(1)["speculate"] == pytest.approx(8 / 0.024)
 
 
-def test_steps_decoding_plainly_while_the_draft_ingests_measure_neither_mode() -> None:
-    """While a draft service takes in new prompts the engine decodes with K=0 whatever the
-    policy chose (1 token in 1 ms here); such steps (up to max_unsettled_steps) are no part of
-    a speculation window: speculation (1 token in 2 ms) loses to K=0 (0.9 tokens a ms).
-    Counted, thirty of them would have made speculation 1000 tokens/s, and chosen it."""
-    config = PolicyConfig(window_steps=4, settle_steps=0, max_unsettled_steps=30)
-    policy = SpecPolicy(config)
-    for _ in range(30):  # a new bucket measures speculation first
-        assert policy.speculate(1)
-        policy.record(1, 1, 1_000_000, ingesting=True)
-    for _ in range(4):
-        policy.record(1, 1, 2_000_000)
-    assert not policy.speculate(1)  # K=0 measured next
-    for _ in range(4):
-        policy.record(1, 9, 10_000_000)
-    assert policy.rates(1) == pytest.approx({"speculate": 500.0, "plain": 900.0})
-    assert not policy.speculate(1)
-    for _ in range(3):  # decided: a step ingesting counts as time in its mode, as any
-        policy.record(1, 1, 1_000_000, ingesting=True)
-    assert policy._bucket(1).steps == 3
-
-
 def test_reset_forgets_every_decision() -> None:
     """A bucket decided on cold steps (a service's warm-up) starts over after reset: it
     measures speculation first again, whatever it ran before."""

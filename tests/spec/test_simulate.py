@@ -1,5 +1,6 @@
 """Simulated acceptance (perf only): the mean accept length is what was asked, the accepted
-path follows first children, the bonus is the target's argmax, and nothing leaks."""
+path goes into the deepest subtree (the first child on a tie), the bonus is the target's argmax,
+and nothing leaks."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_same_seed_same_draws() -> None:
     assert [a.draw() for _ in range(100)] == [b.draw() for _ in range(100)]
 
 
-def test_trees_follow_first_children_and_stop_at_leaves() -> None:
+def test_trees_follow_the_deepest_first_child_and_stop_at_leaves() -> None:
     #      0
     #    1   2       node 1's first child is 3, node 3 has none
     #    3   4
@@ -75,6 +76,12 @@ def test_trees_follow_first_children_and_stop_at_leaves() -> None:
     sim = AcceptSimulator(4.0, 3)  # always 3 deep, but the tree is 2 deep along first children
     assert sim.path(tree) == [0, 1, 3]
     assert sim.path(Tree(tokens=(5,), parents=(-1,))) == [0]
+    #      0
+    #    1   2       node 1 is a leaf: the path takes node 2's deeper branch
+    #        3 4
+    #        5
+    deep = Tree(tokens=(0, 1, 2, 3, 4, 5), parents=(-1, 0, 0, 2, 2, 3))
+    assert sim.path(deep) == [0, 2, 3, 5]
 
 
 def test_bad_values_name_the_field() -> None:
