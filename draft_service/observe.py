@@ -20,8 +20,12 @@ class DraftMetrics:
 
     def __init__(self, kv: Callable[[], tuple[int, int]]) -> None:
         meter = metrics.get_meter("tandem.draft")
-        self.steps = meter.create_counter("tandem.draft.steps", description="Speculate messages")
-        self.trees = meter.create_counter("tandem.draft.trees", description="trees sent")
+        self.steps = meter.create_counter(
+            "tandem.draft.steps", unit="{step}", description="Speculate messages answered"
+        )
+        self.trees = meter.create_counter(
+            "tandem.draft.trees", unit="{tree}", description="trees sent"
+        )
         self.proposed_tokens = meter.create_counter(
             "tandem.draft.proposed_tokens", unit="{token}", description="draft nodes in trees"
         )
@@ -33,7 +37,7 @@ class DraftMetrics:
             lambda: [(kv()[0], _SERVICE)],
         )  # fmt: skip
         telemetry.gauge(
-            meter, "tandem.kv.pages_total", "{page}", "KV pages in the pool",
+            meter, "tandem.kv.pages_capacity", "{page}", "KV pages in the pool",
             lambda: [(kv()[1], _SERVICE)],
         )  # fmt: skip
 
