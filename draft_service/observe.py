@@ -18,8 +18,12 @@ _SERVICE = {"tandem.service": "draft"}
 class DraftMetrics:
     """Process-wide instruments; ``kv`` reads (pages used, pages total) without blocking."""
 
-    def __init__(self, kv: Callable[[], tuple[int, int]]) -> None:
-        meter = metrics.get_meter("tandem.draft")
+    def __init__(
+        self,
+        kv: Callable[[], tuple[int, int]],
+        meter_provider: metrics.MeterProvider | None = None,  # None: the global one
+    ) -> None:
+        meter = metrics.get_meter("tandem.draft", meter_provider=meter_provider)
         self.steps = meter.create_counter(
             "tandem.draft.steps", unit="{step}", description="Speculate messages answered"
         )

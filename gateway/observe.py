@@ -48,10 +48,13 @@ class GatewayObserver:
         model: Callable[[], str],
         queue: Callable[[], tuple[int, int]],
         connected: Callable[[], bool] = lambda: True,
+        *,
+        tracer_provider: trace.TracerProvider | None = None,  # None: the global ones
+        meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
-        self._tracer = trace.get_tracer("tandem.gateway")
-        self._model = model  # the target's model id, once known
-        meter = metrics.get_meter("tandem.gateway")
+        self._tracer = trace.get_tracer("tandem.gateway", tracer_provider=tracer_provider)
+        self._model = model  # the target's served model name, once known
+        meter = metrics.get_meter("tandem.gateway", meter_provider=meter_provider)
         self.requests = meter.create_counter(
             "tandem.requests",
             unit="{request}",

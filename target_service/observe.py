@@ -23,9 +23,17 @@ _SERVICE = {"tandem.service": "target"}
 
 
 class TargetObserver:
-    def __init__(self, engine: Engine, fallbacks: Callable[[], int], model_name: str = "") -> None:
-        self._tracer = trace.get_tracer("tandem.target")
-        meter = metrics.get_meter("tandem.target")
+    def __init__(
+        self,
+        engine: Engine,
+        fallbacks: Callable[[], int],
+        model_name: str = "",
+        *,
+        tracer_provider: trace.TracerProvider | None = None,  # None: the global ones
+        meter_provider: metrics.MeterProvider | None = None,
+    ) -> None:
+        self._tracer = trace.get_tracer("tandem.target", tracer_provider=tracer_provider)
+        meter = metrics.get_meter("tandem.target", meter_provider=meter_provider)
         self._spans: dict[str, trace.Span] = {}
         self._streaming: set[str] = set()  # requests whose first token is out
         self._fallbacks = fallbacks  # the draft client's fallback-step count so far
