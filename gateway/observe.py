@@ -80,7 +80,7 @@ class GatewayObserver:
         telemetry.gauge(
             meter,
             "tandem.gateway.target_connected",
-            "1",
+            "",  # a 0/1 state, no unit (telemetry.gauge)
             "1 while the control stream to the target is up (its numbers are known), else 0",
             lambda: [(int(connected()), {})],
         )

@@ -241,7 +241,9 @@ def latency_histogram(meter: metrics.Meter, name: str, description: str) -> metr
 def gauge(
     meter: metrics.Meter, name: str, unit: str, description: str, read: Callable[[], Iterable]
 ) -> None:
-    """An observable gauge whose callback yields ``(value, attributes)`` pairs."""
+    """An observable gauge whose callback yields ``(value, attributes)`` pairs. A 0/1 state
+    has unit ``""``, not ``"1"``: the collector's Prometheus exporter appends ``_ratio`` to a
+    gauge of unit 1 and the SDK's does not, so the two would name it differently."""
 
     def callback(options: CallbackOptions) -> Iterable[Observation]:
         try:
