@@ -168,3 +168,15 @@ def test_the_target_counters_by_vllm_names(providers: Providers, engine: Engine)
     # promtool's one objection is the colon, as on vLLM's own pages.
     colon = [f"promtool: {name} metric names should not contain ':'" for name in helps]
     assert sorted(metrics.problems(page)) == (sorted(colon) if shutil.which("promtool") else [])
+
+
+def test_the_page_rules_find_what_promtool_found() -> None:
+    # What promtool found on the pages before (exit 3), promtool or not.
+    bad = "# HELP x_pages_total KV pages\n# TYPE x_pages_total gauge\nx_pages_total 1\n"
+    bad += "# TYPE y_total counter\ny_total 2\n"
+    found = metrics.problems(bad)
+    assert [p for p in found if not p.startswith("promtool")] == [
+        "x_pages_total: a gauge named like a counter or histogram",
+        "y_total: no HELP",
+    ]
+    assert len(found) == (4 if shutil.which("promtool") else 2), found
