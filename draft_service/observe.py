@@ -18,10 +18,18 @@ _SERVICE = {"tandem.service": "draft"}
 class DraftMetrics:
     """Process-wide instruments; ``kv`` reads (pages used, pages total) without blocking."""
 
-    def __init__(self, kv: Callable[[], tuple[int, int]]) -> None:
-        meter = metrics.get_meter("tandem.draft")
-        self.steps = meter.create_counter("tandem.draft.steps", description="Speculate messages")
-        self.trees = meter.create_counter("tandem.draft.trees", description="trees sent")
+    def __init__(
+        self,
+        kv: Callable[[], tuple[int, int]],
+        meter_provider: metrics.MeterProvider | None = None,  # None: the global one
+    ) -> None:
+        meter = metrics.get_meter("tandem.draft", meter_provider=meter_provider)
+        self.steps = meter.create_counter(
+            "tandem.draft.steps", unit="{step}", description="Speculate messages answered"
+        )
+        self.trees = meter.create_counter(
+            "tandem.draft.trees", unit="{tree}", description="trees sent"
+        )
         self.proposed_tokens = meter.create_counter(
             "tandem.draft.proposed_tokens", unit="{token}", description="draft nodes in trees"
         )
@@ -33,7 +41,7 @@ class DraftMetrics:
             lambda: [(kv()[0], _SERVICE)],
         )  # fmt: skip
         telemetry.gauge(
-            meter, "tandem.kv.pages_total", "{page}", "KV pages in the pool",
+            meter, "tandem.kv.pages_capacity", "{page}", "KV pages in the pool",
             lambda: [(kv()[1], _SERVICE)],
         )  # fmt: skip
 

@@ -364,6 +364,12 @@ TWO_LANE_BATCH = Setting(
     "verifies the other) from this many on; 0 = always one lane",
     env="TWO_LANE_BATCH",
 )
+SERVED_MODEL_NAME = Setting(
+    help="the model's name to clients, in metrics (model_name) and in traces "
+    "(gen_ai.request.model)",
+    env="SERVED_MODEL_NAME",
+    shown_default="the checkpoint directory's name; its family's for the embedded model",
+)
 FAILOVER_WAIT = Setting(
     help="seconds an in-flight request waits for a lost target to come back (then it is "
     "re-admitted with what it streamed) before it fails with UNAVAILABLE; 0 = fail at once",

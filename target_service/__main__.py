@@ -69,7 +69,7 @@ SERVICE = Flags(
     TargetServiceConfig,
     (
         *("host", "port", "admission_window_s", "admission_gap_s", "reflection", "grace_s"),
-        *("log_level", "metrics_port"),
+        *("log_level", "metrics_port", "served_model_name", "vllm_metric_names"),
     ),
     env_prefix=ENV,
 )
@@ -128,7 +128,10 @@ def _config(a: argparse.Namespace) -> TargetServiceConfig:
 
 async def main(config: TargetServiceConfig) -> None:
     observability = telemetry.setup(
-        "target_service", metrics_port=config.metrics_port, metrics_host=config.host
+        "target_service",
+        metrics_port=config.metrics_port,
+        metrics_host=config.host,
+        vllm_names=config.vllm_metric_names,
     )
     server = rpc.make_server(max_message_bytes=config.max_message_bytes)
     health = rpc.add_health(server)
@@ -156,6 +159,7 @@ async def main(config: TargetServiceConfig) -> None:
         admission_window_s=config.admission_window_s,
         admission_gap_s=config.admission_gap_s,
         step_log=StepLog.from_env(step_log.TARGET_ENV),
+        model_name=config.model_name,
     )
     if os.environ.get(diagnostics.TARGET_ENV):
         _diagnose()
@@ -248,7 +252,7 @@ def get_info(
 ) -> target_pb2.TargetServiceGetInfoResponse:
     mc = engine.model.config
     info = target_pb2.TargetServiceGetInfoResponse(
-        model_id=str(config.model_dir),
+        model_id=config.model_name,
         vocab_size=mc.vocab_size,
         max_model_len=engine.max_model_len,
         num_layers=mc.num_layers,

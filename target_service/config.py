@@ -9,7 +9,16 @@ from pathlib import Path
 from tandem.config import DRAFT_KIND, EngineConfig
 from tandem.serving.security import ClientTLS, ServerTLS
 from tandem.serving.telemetry import METRICS_PORT, check_metrics_port
-from tandem.settings import DRAFT_DEADLINE, GRACE, HOST, LOG_LEVEL, PORT, REFLECTION, setting
+from tandem.settings import (
+    DRAFT_DEADLINE,
+    GRACE,
+    HOST,
+    LOG_LEVEL,
+    PORT,
+    REFLECTION,
+    SERVED_MODEL_NAME,
+    setting,
+)
 from tandem.spec.types import DRAFT_KINDS, SpecConfig
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -53,6 +62,14 @@ class TargetServiceConfig:
         flag="admission-gap",
     )
     reflection: bool = setting(False, like=REFLECTION)
+    served_model_name: str | None = setting(None, like=SERVED_MODEL_NAME)  # see model_name
+    vllm_metric_names: bool = setting(
+        False,
+        help="also export the spec-decoding counters under vLLM's names and labels "
+        "(vllm:spec_decode_num_*_total{model_name,engine}) for dashboards built for vLLM; "
+        "promtool check metrics then flags their colons, as it flags vLLM's own",
+        env="VLLM_METRIC_NAMES",
+    )
     grace_s: float = setting(10.0, like=GRACE)  # SIGTERM: drain this long before exiting
     max_message_bytes: int = 64 << 20
     tls: ServerTLS | None = None  # TLS (mTLS with require_client_cert) on the port; None = plain
@@ -78,9 +95,25 @@ class TargetServiceConfig:
             raise ValueError("grace_s: must be >= 0")
         if self.draft_tls is not None and self.draft_addr is None:
             raise ValueError("draft_tls: TLS settings for a draft, but no draft_addr")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name: must not be empty")
         if self.log_level.upper() not in _LOG_LEVELS:
             raise ValueError(f"log_level: {self.log_level!r} is not one of {_LOG_LEVELS}")
 
     @property
     def model_dir(self) -> Path:
         return self.engine.model
+
+    @property
+    def model_name(self) -> str:
+        """The served model name: ``served_model_name``, else the checkpoint's (never a path)."""
+        return self.served_model_name or default_model_name(self.model_dir)
+
+
+def default_model_name(model_dir: Path) -> str:
+    """The checkpoint directory's name, or its family's where a ``family.json`` beside it says
+    the directory is one member (the embedded model: ``tandem-code-ref``, not ``target``)."""
+    path = model_dir.resolve()
+    if (path.parent / "family.json").is_file():
+        return path.parent.name
+    return path.name

@@ -28,7 +28,7 @@ async def mirror(health: Health, state: Callable[[], DraftState], interval_s: fl
     telemetry.gauge(
         metrics.get_meter("tandem.target"),
         "tandem.target.draft_state",
-        "1",
+        "",  # a 0/1 state, no unit (telemetry.gauge)
         "the draft's state now (attribute state): 1 for the current one",
         lambda: [(int(state() is s), {"state": s.name.lower()}) for s in DraftState],
     )

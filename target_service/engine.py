@@ -93,6 +93,7 @@ class TargetLoop:
         admission_window_s: float = 0.0,
         admission_gap_s: float = 0.002,
         step_log: StepLog | None = None,
+        model_name: str = "",
     ) -> None:
         self.engine = engine
         self._step_log = step_log  # each step's StepStats, for the benchmarks
@@ -107,7 +108,9 @@ class TargetLoop:
         self._thread = threading.Thread(target=self._run, name="target-engine", daemon=True)
         self._step_id = 0
         self._last_status = 0.0
-        self.observe = TargetObserver(engine, fallbacks=lambda: _fallback_steps(engine))
+        self.observe = TargetObserver(
+            engine, fallbacks=lambda: _fallback_steps(engine), model_name=model_name
+        )
         self._profile = profiling.step_window("target", engine.config.device)  # None: off
 
     # -- called from the event loop ----------------------------------------------------

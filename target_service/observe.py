@@ -1,8 +1,9 @@
 """The target's traces and metrics (tandem.serving.telemetry): one span per request, per-step spans
 behind ``TANDEM_STEP_TRACE_RATIO``, and the spec-decoding counters vLLM exports (drafts, draft
-tokens, accepted tokens, accepted per position) plus fallback steps, accept length, step time,
-KV pages and queue depth. All of it runs on the engine thread; without ``telemetry.setup`` it is
-a no-op."""
+tokens, accepted tokens, accepted per position; with vLLM's names and labels through
+``telemetry.views``: ``model_name`` the served model name, ``engine`` 0) plus fallback steps,
+accept length, step time, KV pages and queue depth. All of it runs on the engine thread;
+without ``telemetry.setup`` it is a no-op."""
 
 from __future__ import annotations
 
@@ -22,33 +23,57 @@ _SERVICE = {"tandem.service": "target"}
 
 
 class TargetObserver:
-    def __init__(self, engine: Engine, fallbacks: Callable[[], int]) -> None:
-        self._tracer = trace.get_tracer("tandem.target")
-        meter = metrics.get_meter("tandem.target")
+    def __init__(
+        self,
+        engine: Engine,
+        fallbacks: Callable[[], int],
+        model_name: str = "",
+        *,
+        tracer_provider: trace.TracerProvider | None = None,  # None: the global ones
+        meter_provider: metrics.MeterProvider | None = None,
+    ) -> None:
+        self._tracer = trace.get_tracer("tandem.target", tracer_provider=tracer_provider)
+        meter = metrics.get_meter("tandem.target", meter_provider=meter_provider)
         self._spans: dict[str, trace.Span] = {}
         self._streaming: set[str] = set()  # requests whose first token is out
         self._fallbacks = fallbacks  # the draft client's fallback-step count so far
         self._last_fallbacks = 0
         self._step_ratio = telemetry.step_trace_ratio()
         self._random = random.Random()
+        self._vllm = {"model_name": model_name, "engine": "0"}  # vLLM's labels
+        self._per_pos = [{**self._vllm, "position": str(p)} for p in range(64)]
         counter = meter.create_counter
-        self.drafts = counter("tandem.spec_decode.drafts", description="verify steps with a tree")
-        self.draft_tokens = counter("tandem.spec_decode.draft_tokens", unit="{token}")
-        self.accepted_tokens = counter("tandem.spec_decode.accepted_tokens", unit="{token}")
+        self.drafts = counter(
+            "tandem.spec_decode.drafts", unit="{draft}", description="verify steps with a tree"
+        )
+        self.draft_tokens = counter(
+            "tandem.spec_decode.draft_tokens",
+            unit="{token}",
+            description="draft tokens verified (tree nodes below the root)",
+        )
+        self.accepted_tokens = counter(
+            "tandem.spec_decode.accepted_tokens",
+            unit="{token}",
+            description="draft tokens accepted",
+        )
         self.accepted_per_pos = counter(
             "tandem.spec_decode.accepted_tokens_per_pos",
             unit="{token}",
             description="accepted drafts by depth (attribute position, from 0)",
         )
         self.verify_steps = counter(
-            "tandem.spec_decode.verify_steps", description="request verifications, K=0 included"
+            "tandem.spec_decode.verify_steps",
+            unit="{step}",
+            description="request verifications, K=0 included",
         )
         self.without_tree = counter(
             "tandem.spec_decode.steps_without_tree",
+            unit="{step}",
             description="request decode steps without a draft token, by cause (attribute reason)",
         )
         self.fallback_steps = counter(
             "tandem.spec_decode.fallback_steps",
+            unit="{step}",
             description="lane steps without trees because the draft was late or gone",
         )
         self.accept_length = meter.create_histogram(
@@ -71,7 +96,7 @@ class TargetObserver:
         )
         telemetry.gauge(
             meter,
-            "tandem.kv.pages_total",
+            "tandem.kv.pages_capacity",
             "{page}",
             "KV pages in the pool",
             lambda: [(alloc.num_pages, _SERVICE)],
@@ -86,6 +111,11 @@ class TargetObserver:
                 (len(scheduler.waiting), {"state": "waiting"}),
             ],
         )
+
+    def _position(self, position: int) -> dict[str, str]:
+        if position < len(self._per_pos):
+            return self._per_pos[position]
+        return {**self._vllm, "position": str(position)}
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -153,11 +183,11 @@ class TargetObserver:
         lane: int,
         span: trace.Span | None,
     ) -> None:
-        self.drafts.add(stats.drafts)
-        self.draft_tokens.add(stats.draft_tokens)
-        self.accepted_tokens.add(stats.accepted_tokens)
+        self.drafts.add(stats.drafts, self._vllm)
+        self.draft_tokens.add(stats.draft_tokens, self._vllm)
+        self.accepted_tokens.add(stats.accepted_tokens, self._vllm)
         for position, count in enumerate(stats.accepted_per_position):
-            self.accepted_per_pos.add(count, {"position": position})
+            self.accepted_per_pos.add(count, self._position(position))
         self.verify_steps.add(stats.verify_steps)
         for cause, n in stats.without_tree.items():
             self.without_tree.add(n, {"reason": str(cause)})

@@ -15,7 +15,9 @@ exists: the gRPC instrumentation patches their creation). It reads the standard 
 and ``metrics_port`` (each service's ``--metrics-port``) serves Prometheus text on
 ``http://HOST:PORT/metrics``, HOST being the service's ``--host``: metrics are exactly as
 reachable as the service's port (loopback for target and draft by default, and for all three
-under ``tandem serve``).
+under ``tandem serve``). Every metric has a description (its Prometheus HELP) and a name
+``promtool check metrics`` accepts; the target's spec-decoding counters can also carry vLLM's
+names (``views``).
 
 Traces: the gRPC calls get server/client spans (opentelemetry-instrumentation-grpc, health
 checks excluded). On top, each request has one span per service, all in one trace: the
@@ -45,6 +47,7 @@ from opentelemetry.sdk.metrics.export import (
     MetricReader,
     PeriodicExportingMetricReader,
 )
+from opentelemetry.sdk.metrics.view import View
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -67,6 +70,45 @@ METRICS_PORT = Setting(
 )
 
 
+# gen_ai.provider.name on the GenAI spans and metrics: no well-known value applies (the server
+# runs the model itself), so the conventions' custom value.
+PROVIDER = "tandem"
+
+# The target's spec-decoding counters under vLLM's names, labels (model_name, engine; position)
+# and help, for the dashboards and queries built for vLLM, where the target's
+# --vllm-metric-names asks for them (views): Prometheus's exporter guidelines reserve the colon
+# for recording rules and ``promtool check metrics`` flags it (it flags vLLM's own pages so), so
+# by default a page carries Tandem's names alone and passes promtool. OTel instrument names
+# cannot hold the colon; a view's name can, and the Prometheus exporter keeps it (adding
+# _total, as prometheus_client does for vLLM).
+VLLM_SPEC_COUNTERS = {
+    "tandem.spec_decode.drafts": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    "tandem.spec_decode.draft_tokens": (
+        "vllm:spec_decode_num_draft_tokens",
+        "Number of draft tokens.",
+    ),
+    "tandem.spec_decode.accepted_tokens": (
+        "vllm:spec_decode_num_accepted_tokens",
+        "Number of accepted tokens.",
+    ),
+    "tandem.spec_decode.accepted_tokens_per_pos": (
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+    ),
+}
+
+
+def views(vllm_names: bool = False) -> list[View]:
+    """The meter provider's views: the spec-decoding counters under Tandem's names (labels
+    model_name and position) and, with ``vllm_names``, under vLLM's too."""
+    out = []
+    for instrument, (name, description) in VLLM_SPEC_COUNTERS.items():
+        out.append(View(instrument_name=instrument, attribute_keys={"model_name", "position"}))
+        if vllm_names:
+            out.append(View(instrument_name=instrument, name=name, description=description))
+    return out
+
+
 @dataclass
 class Telemetry:
     """What ``setup`` installed; ``shutdown()`` flushes pending spans and metrics."""
@@ -81,9 +123,14 @@ class Telemetry:
 
 
 def setup(
-    service: str, *, metrics_port: int | None = None, metrics_host: str = "127.0.0.1"
+    service: str,
+    *,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    vllm_names: bool = False,
 ) -> Telemetry:
-    """Installs the tracer and meter providers and the gRPC instrumentation for this process."""
+    """Installs the tracer and meter providers and the gRPC instrumentation for this process;
+    ``vllm_names``: the spec-decoding counters under vLLM's names too (``views``)."""
     attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service}
     resource = Resource.create(attributes)
     tracer_provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER
@@ -111,7 +158,9 @@ def setup(
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
     elif metrics_exporter == "console":
         readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
-    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    meter_provider = MeterProvider(
+        resource=resource, metric_readers=readers, views=views(vllm_names)
+    )
     metrics.set_meter_provider(meter_provider)
 
     from opentelemetry.instrumentation.grpc import (
@@ -180,7 +229,7 @@ LATENCY_BUCKETS_S = (
 )  # fmt: skip
 
 
-def latency_histogram(meter: metrics.Meter, name: str, description: str = "") -> metrics.Histogram:
+def latency_histogram(meter: metrics.Meter, name: str, description: str) -> metrics.Histogram:
     return meter.create_histogram(
         name,
         unit="s",
@@ -192,7 +241,9 @@ def latency_histogram(meter: metrics.Meter, name: str, description: str = "") ->
 def gauge(
     meter: metrics.Meter, name: str, unit: str, description: str, read: Callable[[], Iterable]
 ) -> None:
-    """An observable gauge whose callback yields ``(value, attributes)`` pairs."""
+    """An observable gauge whose callback yields ``(value, attributes)`` pairs. A 0/1 state
+    has unit ``""``, not ``"1"``: the collector's Prometheus exporter appends ``_ratio`` to a
+    gauge of unit 1 and the SDK's does not, so the two would name it differently."""
 
     def callback(options: CallbackOptions) -> Iterable[Observation]:
         try:

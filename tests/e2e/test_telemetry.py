@@ -1,12 +1,15 @@
-"""Telemetry across the three real processes: one Generate call makes one trace with a request
-span in each service (an in-test OTLP receiver collects them), and each service's /metrics
-endpoint shows spec-decoding counters that add up to the usage the gateway returned."""
+"""Telemetry across the three real processes serving the embedded reference model: one Generate
+call makes one trace with a request span in each service (an in-test OTLP receiver collects
+them), with the GenAI conventions' attributes and the served model name; each service's
+/metrics page passes ``promtool check metrics`` (where installed; the same rules through the
+parser always) and shows spec-decoding counters, vLLM's names among them, that add up to the
+usage the gateway returned."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -15,15 +18,15 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.apps import embedded
 from tandem.apps.demo import free_port
 from tandem.apps.launch import Stack, build_stack
-from tandem.testing.random_drafts import make_eagle3_checkpoint
-from tandem.testing.random_model import make_checkpoint
+from tests.helpers import metrics
 from tests.helpers.services import generate
 
 pytestmark = pytest.mark.e2e
+MODEL = "tandem-code-ref"  # the embedded model's served name by default
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -54,10 +57,13 @@ def receiver() -> Iterator[tuple[Receiver, int]]:
 
 @pytest.fixture
 def stack(
-    tmp_path: Path, receiver: tuple[Receiver, int], monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    receiver: tuple[Receiver, int],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[tuple[Stack, dict[str, int]]]:
-    target = make_checkpoint(tmp_path / "target", "llama", seed=12, num_hidden_layers=2)
-    draft = make_eagle3_checkpoint(tmp_path / "eagle3", target, draft_vocab_size=512, seed=2)
+    """The stack; parametrized indirectly with True, the target adds vLLM's metric names."""
+    target, draft, _, _ = embedded.defaults(None, None, None)  # no served name: its default
     ports = {name: free_port() for name in ("draft", "target", "gateway")}
     env = {
         "OTEL_TRACES_EXPORTER": "otlp",
@@ -73,6 +79,9 @@ def stack(
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("TANDEM_TARGET_SERVED_MODEL_NAME", raising=False)
+    vllm_names = getattr(request, "param", False)
+    monkeypatch.setenv("TANDEM_TARGET_VLLM_METRIC_NAMES", "1" if vllm_names else "0")
     stack = build_stack(
         target=target,
         draft=draft,
@@ -94,7 +103,7 @@ def stack(
         stack.stop()
 
 
-def test_one_generate_is_one_trace_across_three_processes(
+def test_one_generate_is_one_trace_and_clean_metrics_pages(
     stack: tuple[Stack, dict[str, int]], receiver: tuple[Receiver, int]
 ) -> None:
     sink = receiver[0]
@@ -119,7 +128,14 @@ def test_one_generate_is_one_trace_across_three_processes(
     gw, tgt, dr = found["gateway"], found["target_service"], found["draft_service"]
     assert tgt.parent_span_id == gw.span_id and dr.parent_span_id == tgt.span_id
     attrs = {a.key: a.value for a in gw.attributes}
+    # The GenAI conventions: operation, provider, the model by its served name (not a path).
+    assert gw.name == f"text_completion {MODEL}" and gw.kind == gw.SPAN_KIND_SERVER
     assert attrs["gen_ai.operation.name"].string_value == "text_completion"
+    assert attrs["gen_ai.provider.name"].string_value == "tandem"
+    assert attrs["gen_ai.request.model"].string_value == MODEL
+    assert attrs["gen_ai.response.model"].string_value == MODEL
+    reasons = [v.string_value for v in attrs["gen_ai.response.finish_reasons"].array_value.values]
+    assert reasons == ["length"]
     assert attrs["gen_ai.usage.output_tokens"].int_value == usage.completion_tokens
     assert attrs["gen_ai.usage.input_tokens"].int_value == usage.prompt_tokens == 5
     assert attrs["tandem.spec.draft_tokens"].int_value == usage.draft_tokens
@@ -132,22 +148,25 @@ def test_one_generate_is_one_trace_across_three_processes(
     assert "/tandem.v1.GatewayService/Generate" in names
     assert not any("Health" in name for name in names)
     assert "tandem.target.step" in names  # TANDEM_STEP_TRACE_RATIO=1: every step
+    # Every service's /metrics page passes promtool (and the same rules through the parser).
+    for service, port in stack[1].items():
+        text = metrics.page(port)
+        assert metrics.problems(text) == [], (service, text)
 
 
 def scrape(port: int) -> dict[str, float]:
-    """Every sample of a /metrics page, by name and labels."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
-        text = page.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(
-                f"{k}={v}" for k, v in sorted(s.labels.items()) if not k.startswith("otel_scope")
-            )
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
+    return metrics.samples(metrics.page(port))
 
 
+VLLM = (
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+)
+
+
+@pytest.mark.parametrize("stack", [True], indirect=True)
 def test_metrics_add_up_to_the_usage(stack: tuple[Stack, dict[str, int]]) -> None:
     services, ports = stack
     prompts = [[5 + i, 6, 7, 8 + i] for i in range(4)]
@@ -164,8 +183,9 @@ def test_metrics_add_up_to_the_usage(stack: tuple[Stack, dict[str, int]]) -> Non
         ):
             break
         time.sleep(0.2)
-    assert target["tandem_spec_decode_draft_tokens_total"] == drafted
-    assert target["tandem_spec_decode_accepted_tokens_total"] == accepted
+    served = f"model_name={MODEL}"
+    assert target[f"tandem_spec_decode_draft_tokens_total{{{served}}}"] == drafted
+    assert target[f"tandem_spec_decode_accepted_tokens_total{{{served}}}"] == accepted
     assert target["tandem_spec_decode_verify_steps_total"] == sum(u.verify_steps for u in usages)
     per_pos = sum(
         v
@@ -179,7 +199,36 @@ def test_metrics_add_up_to_the_usage(stack: tuple[Stack, dict[str, int]]) -> Non
         u.completion_tokens for u in usages
     )
     assert gateway["tandem_requests_total{finish_reason=length}"] == len(prompts)
-    assert gateway["gen_ai_server_time_to_first_token_seconds_count"] == len(prompts)
+    # vLLM's spec-decoding counters, by their names and labels: the page's only fault, for
+    # promtool, is their colon (as on vLLM's own pages).
+    faults = metrics.problems(metrics.page(ports["target"]))
+    colons = [f"promtool: {name} metric names should not contain ':'" for name in VLLM]
+    assert sorted(faults) == (sorted(colons) if shutil.which("promtool") else []), faults
+    vllm = f"engine=0,model_name={MODEL}"
+    assert target[f"vllm:spec_decode_num_drafts_total{{{vllm}}}"] == sum(
+        u.drafted_steps for u in usages
+    )
+    assert target[f"vllm:spec_decode_num_draft_tokens_total{{{vllm}}}"] == drafted
+    assert target[f"vllm:spec_decode_num_accepted_tokens_total{{{vllm}}}"] == accepted
+    positions = {
+        int(key.rpartition("position=")[2].rstrip("}")): value
+        for key, value in target.items()
+        if key.startswith(f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{{vllm},")
+    }
+    assert sorted(positions) == list(range(len(positions))) and accepted > 0
+    assert sum(positions.values()) == accepted  # depth i counts the drafts accepted past i
+    by_depth = [positions[i] for i in range(len(positions))]
+    assert by_depth == sorted(by_depth, reverse=True)
+    assert by_depth[0] <= target[f"vllm:spec_decode_num_drafts_total{{{vllm}}}"]
+    # The GenAI server histograms carry the attributes the conventions require.
+    genai = (
+        "gen_ai_operation_name=text_completion,gen_ai_provider_name=tandem,"
+        f"gen_ai_request_model={MODEL},gen_ai_response_model={MODEL}"
+    )
+    for histogram in ("request_duration", "time_to_first_token", "time_per_output_token"):
+        assert gateway[f"gen_ai_server_{histogram}_seconds_count{{{genai}}}"] == len(prompts)
+    assert target["tandem_kv_pages_capacity{tandem_service=target}"] > 0
+    assert draft["tandem_kv_pages_capacity{tandem_service=draft}"] > 0
     assert draft["tandem_draft_proposed_tokens_total"] >= drafted  # trees may be cut
     assert draft["tandem_kv_pages_used{tandem_service=draft}"] == 0
     assert target["tandem_kv_pages_used{tandem_service=target}"] == 0

@@ -89,6 +89,8 @@ def test_target_service(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
         reflection=True,
         grace_s=3.0,
         metrics_port=9100,
+        served_model_name="code-7b",
+        vllm_metric_names=True,
     )
     flags = argv(
         "--target m --host 0.0.0.0 --port 7 --draft-addr h:1 --draft-kind mtp --spec-steps 4 "
@@ -97,7 +99,7 @@ def test_target_service(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
         "--max-num-seqs 8 --device cpu --dtype bfloat16 --no-cuda-graphs "
         "--prefill-graph-tokens 16,64 --spec-policy adaptive --no-overlap --device-chain "
         "--transposed-weights --no-batch-invariant --reflection --grace 3 --metrics-port 9100 "
-        "--log-level INFO"
+        "--log-level INFO --served-model-name code-7b --vllm-metric-names"
     )
     assert target(flags) == given
     setenv(
@@ -108,7 +110,8 @@ def test_target_service(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
         "ADMISSION_WINDOW=0.1 ADMISSION_GAP=0.01 PAGE_SIZE=32 NUM_PAGES=100 "
         "MAX_NUM_SEQS=8 DEVICE=cpu DTYPE=bfloat16 CUDA_GRAPHS=off "
         "PREFILL_GRAPH_TOKENS=16,64 SPEC_POLICY=adaptive OVERLAP=no DEVICE_CHAIN=yes "
-        "TRANSPOSED_WEIGHTS=1 BATCH_INVARIANT=false GRACE=3 METRICS_PORT=9100",
+        "TRANSPOSED_WEIGHTS=1 BATCH_INVARIANT=false GRACE=3 METRICS_PORT=9100 "
+        "SERVED_MODEL_NAME=code-7b VLLM_METRIC_NAMES=1",
     )
     assert target(["--reflection"]) == given
     assert target(["--port", "8", "--overlap"]).port == 8  # the flag wins
@@ -125,8 +128,26 @@ def test_target_service(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
     usage_error(capsys, parse_args, ["--target", "m", "--spec-policy", "x"], "--spec-policy")
     usage_error(capsys, parse_args, ["--target", "m", "--draft-kind", "x"], "--draft-kind")
     usage_error(capsys, parse_args, ["--target", "m", "--page-size", "0"], "page_size")
+    usage_error(capsys, parse_args, ["--target", "m", "--served-model-name", " "], "served_model")
     spec = ["--draft-addr", "h:1", "--spec-topk", "1", "--spec-tokens", "9"]
     usage_error(capsys, parse_args, ["--target", "m", *spec], "num_draft_tokens")
+
+
+def test_the_served_model_name_is_never_a_path(tmp_path: Path) -> None:
+    from target_service.config import TargetServiceConfig
+
+    def name(model: Path, served: str | None = None) -> str:
+        return TargetServiceConfig(
+            engine=EngineConfig(model=model), served_model_name=served
+        ).model_name
+
+    assert name(tmp_path / "llama-3-8b") == "llama-3-8b"
+    assert name(Path("ckpt/llama-3-8b/")) == "llama-3-8b"
+    assert name(tmp_path / "llama-3-8b", "llama3") == "llama3"
+    family = tmp_path / "tandem-code-ref"  # a family's member is named after the family
+    (family / "target").mkdir(parents=True)
+    (family / "family.json").write_text("{}")
+    assert name(family / "target") == "tandem-code-ref"
 
 
 # ---- python -m draft_service ----
