@@ -53,6 +53,8 @@ class Request:
     # Target features of the prompt positions, gathered chunk by chunk for the draft.
     draft_features: list[torch.Tensor] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
+    # The ids ``params.min_tokens`` holds back: its stop tokens, and EOS unless it ignores EOS.
+    min_tokens_block: tuple[int, ...] = ()
 
     @property
     def decoding(self) -> bool:

@@ -1,10 +1,13 @@
 """Logits processing and token sampling, shared by the engine and the speculative verifier.
 
 `process_logits` turns raw logits into the distribution a request samples from, in transformers'
-`generate` order: repetition penalty -> temperature -> top-k -> top-p -> min-p, matching HF's
-processors value for value and mask for mask. The verifier takes its target probabilities from the
-same function (`probs_from_logits`), so speculative sampling preserves exactly the distribution
-that target-only sampling draws from (FlashInfer's verify path forgot min-p, SGLang #10617).
+`generate` order: logit bias -> repetition penalty -> presence and frequency penalties ->
+min_tokens -> temperature -> top-k -> top-p -> min-p, matching HF's processors value for value and
+mask for mask (`sequence_bias` with one-token sequences, `min_new_tokens`; presence and frequency
+as vLLM and OpenAI define them, over the generated tokens only). The verifier takes its target
+probabilities from the same function (`probs_from_logits`), so speculative sampling preserves
+exactly the distribution that target-only sampling draws from (FlashInfer's verify path forgot
+min-p, SGLang #10617).
 
 Sampling never waits on the host: per-row parameters are device tensors built once per batch
 composition (`SamplingBatch.build`), the flags that skip unused processors are plain Python values
@@ -30,6 +33,7 @@ from tandem.errors import InvalidRequest
 
 _NEG_INF = float("-inf")
 _MAX_SEED = 2**63
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI takes 300)
 
 
 def _real(name: str, value: object) -> float:
@@ -64,6 +68,10 @@ class SamplingParams:
     max_new_tokens: int = 128  # >= 1
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # [-2, 2]: minus this on every token generated so far
+    frequency_penalty: float = 0.0  # [-2, 2]: minus this per occurrence in the generated tokens
+    min_tokens: int = 0  # EOS and the stop tokens are masked until this many are generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
 
     def __post_init__(self) -> None:
         temperature = _real("temperature", self.temperature)
@@ -94,6 +102,15 @@ class SamplingParams:
             raise InvalidRequest("stop_token_ids", f"ids must be >= 0, got {stop_token_ids}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest("ignore_eos", f"must be a bool, got {type(self.ignore_eos)}")
+        presence = _real("presence_penalty", self.presence_penalty)
+        frequency = _real("frequency_penalty", self.frequency_penalty)
+        for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequest(name, f"must be in [-2, 2], got {value}")
+        min_tokens = _integer("min_tokens", self.min_tokens)
+        if not 0 <= min_tokens <= max_new_tokens:
+            raise InvalidRequest("min_tokens", f"must be in [0, max_new_tokens], got {min_tokens}")
+        logit_bias = _logit_bias(self.logit_bias)
         normalised = {
             "temperature": temperature,
             "top_k": top_k,
@@ -103,13 +120,53 @@ class SamplingParams:
             "seed": seed,
             "max_new_tokens": max_new_tokens,
             "stop_token_ids": stop_token_ids,
+            "presence_penalty": presence,
+            "frequency_penalty": frequency,
+            "min_tokens": min_tokens,
+            "logit_bias": logit_bias,
         }
-        for name, value in normalised.items():
-            object.__setattr__(self, name, value)
+        for name, normal in normalised.items():
+            object.__setattr__(self, name, normal)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_history(self) -> bool:
+        """A processor reads the tokens so far (the repetition, presence or frequency penalty)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no processor: the choice is the raw logits' argmax."""
+        return self.greedy and not self.uses_history and not self.min_tokens and not self.logit_bias
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """(id, bias) pairs, ids unique and >= 0 (below the vocabulary: the engine checks), biases
+    finite in [-100, 100], at most ``MAX_LOGIT_BIAS``; sorted by id."""
+    if isinstance(value, dict):
+        value = tuple(value.items())
+    if not isinstance(value, tuple | list):
+        raise InvalidRequest("logit_bias", "must be (token id, bias) pairs")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequest("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+    pairs: dict[int, float] = {}
+    for entry in value:
+        if not isinstance(entry, tuple | list) or len(entry) != 2:
+            raise InvalidRequest("logit_bias", "must be (token id, bias) pairs")
+        token, bias = _integer("logit_bias", entry[0]), _real("logit_bias", entry[1])
+        if token < 0 or token in pairs:
+            raise InvalidRequest("logit_bias", f"ids must be >= 0 and unique, got {token}")
+        if not -100.0 <= bias <= 100.0:
+            raise InvalidRequest("logit_bias", f"biases must be in [-100, 100], got {bias}")
+        pairs[token] = bias
+    return tuple(sorted(pairs.items()))
 
 
 @dataclass(kw_only=True)
@@ -128,6 +185,10 @@ class SamplingBatch:
     top_p_cutoff: torch.Tensor  # [bs] float32
     min_p: torch.Tensor  # [bs] float32
     repetition_penalty: torch.Tensor  # [bs] float32
+    presence_penalty: torch.Tensor  # [bs] float32
+    frequency_penalty: torch.Tensor  # [bs] float32
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, ids [E] int64, values [E] f32
+    blocked: tuple[torch.Tensor, torch.Tensor]  # rows, ids [M] int64: masked (min_tokens)
     generators: list[torch.Generator | None]  # None for greedy rows
     # Fixed at build time, so the hot path skips unused processors without a host sync.
     all_greedy: bool
@@ -136,6 +197,14 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     any_penalty: bool
+    any_counts: bool  # a presence or frequency penalty
+    any_bias: bool
+    any_blocked: bool
+
+    @property
+    def uses_history(self) -> bool:
+        """`process_logits` needs the rows' token ids (and prompt lengths, for `any_counts`)."""
+        return self.any_penalty or self.any_counts
 
     @classmethod
     def build(
@@ -143,10 +212,15 @@ class SamplingBatch:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         device: torch.device | str,
+        blocked: Sequence[Sequence[int]] = (),
     ) -> SamplingBatch:
-        """One row per request; `generators[i]` is row i's stream (ignored for greedy rows)."""
+        """One row per request; `generators[i]` is row i's stream (ignored for greedy rows);
+        `blocked[i]`, where given, the ids row i may not take this step (its EOS and stop tokens
+        while it has fewer than `min_tokens`)."""
         if len(params) != len(generators):
             raise ValueError(f"{len(params)} params but {len(generators)} generators")
+        if blocked and len(blocked) != len(params):
+            raise ValueError(f"{len(params)} params but {len(blocked)} blocked rows")
         for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
             if not p.greedy and generator is None:
                 raise ValueError(f"row {row} samples (temperature > 0) but has no generator")
@@ -159,6 +233,14 @@ class SamplingBatch:
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
+        def i64(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+        block = [(row, t) for row, ids in enumerate(blocked) for t in ids]
+        presence = [p.presence_penalty for p in params]
+        frequency = [p.frequency_penalty for p in params]
+
         return cls(
             temperature=f32([p.temperature for p in params]),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
@@ -166,6 +248,14 @@ class SamplingBatch:
             top_p_cutoff=f32([1.0 - p if p < 1.0 else -1.0 for p in top_p]),
             min_p=f32(min_p),
             repetition_penalty=f32(penalty),
+            presence_penalty=f32(presence),
+            frequency_penalty=f32(frequency),
+            bias=(
+                i64([r for r, _, _ in bias]),
+                i64([t for _, t, _ in bias]),
+                f32([b for *_, b in bias]),
+            ),
+            blocked=(i64([r for r, _ in block]), i64([t for _, t in block])),
             generators=[None if g else gen for g, gen in zip(greedy, generators, strict=True)],
             all_greedy=all(greedy),
             any_top_k=any(k > 0 for k in top_k),
@@ -173,6 +263,9 @@ class SamplingBatch:
             any_top_p=any(p < 1.0 for p in top_p),
             any_min_p=any(p > 0.0 for p in min_p),
             any_penalty=any(p != 1.0 for p in penalty),
+            any_counts=any(presence) or any(frequency),
+            any_bias=bool(bias),
+            any_blocked=bool(block),
         )
 
 
@@ -197,6 +290,25 @@ def apply_repetition_penalty(
     p = penalty.to(logits.dtype)[:, None]  # [bs, 1]
     penalised = torch.where(logits < 0, logits * p, logits / p)  # [bs, V]
     return torch.where(seen, penalised, logits)
+
+
+def apply_counts_penalty(
+    logits: torch.Tensor,  # [bs, V] float32
+    token_ids: torch.Tensor,  # [bs, T] int64, prompt + generated, padded with -1
+    prompt_lens: torch.Tensor,  # [bs] int64: the first generated position of each row
+    presence: torch.Tensor,  # [bs] float32
+    frequency: torch.Tensor,  # [bs] float32
+) -> torch.Tensor:  # [bs, V] float32
+    """vLLM's and OpenAI's presence and frequency penalties, over the generated tokens only:
+    logit - frequency * count - presence * (count > 0)."""
+    bs, vocab = logits.shape
+    position = torch.arange(token_ids.shape[1], device=token_ids.device)[None, :]  # [1, T]
+    generated = (position >= prompt_lens[:, None]) & (token_ids >= 0)  # [bs, T]
+    ids = token_ids.masked_fill(~generated, vocab).clamp(max=vocab)  # [bs, T]
+    counts = torch.zeros(bs, vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))[:, :vocab]
+    penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0)  # [bs, V]
+    return logits - penalty
 
 
 def _apply_top_k(
@@ -239,18 +351,33 @@ def _apply_min_p(
 def process_logits(
     logits: torch.Tensor,  # [bs, V] any float dtype
     batch: SamplingBatch,
-    token_ids: torch.Tensor | None,  # [bs, T] int64 padded with -1; needed if any_penalty
+    token_ids: torch.Tensor | None,  # [bs, T] int64 padded with -1; needed if uses_history
+    prompt_lens: torch.Tensor | None = None,  # [bs] int64; needed if any_counts
 ) -> torch.Tensor:  # [bs, V] float32, filtered entries -inf
-    """Penalty -> temperature -> top-k -> top-p -> min-p, as HF `generate` applies them.
+    """Bias -> penalties -> min_tokens -> temperature -> top-k -> top-p -> min-p, in HF
+    `generate`'s order.
 
-    Greedy rows get the penalty only. The result is `logits` itself when it is float32 and no
-    processor applies: do not modify it in place.
+    Greedy rows get the bias, the penalties and min_tokens only. The result is `logits` itself
+    when it is float32 and no processor applies: do not modify it in place.
     """
     x = logits.float()  # [bs, V]
-    if batch.any_penalty:
+    if batch.any_bias:
+        rows, ids, values = batch.bias
+        x = x.index_put((rows, ids), values, accumulate=True)  # a copy: logits stay as they are
+    if batch.uses_history:
         if token_ids is None:
-            raise ValueError("token_ids is required when a row has repetition_penalty != 1")
-        x = apply_repetition_penalty(x, token_ids, batch.repetition_penalty)
+            raise ValueError("token_ids is required when a row has a penalty")
+        if batch.any_penalty:
+            x = apply_repetition_penalty(x, token_ids, batch.repetition_penalty)
+        if batch.any_counts:
+            if prompt_lens is None:
+                raise ValueError("prompt_lens is required for presence and frequency penalties")
+            x = apply_counts_penalty(
+                x, token_ids, prompt_lens, batch.presence_penalty, batch.frequency_penalty
+            )
+    if batch.any_blocked:
+        rows, ids = batch.blocked
+        x = x.index_put((rows, ids), torch.tensor(_NEG_INF, device=x.device))
     if not batch.all_greedy:
         # Greedy rows divide by 1 (exact), so their values stay penalised logits.
         divisor = torch.where(batch.temperature > 0, batch.temperature, 1.0)  # [bs]
@@ -267,14 +394,15 @@ def process_logits(
 def probs_from_logits(
     logits: torch.Tensor,  # [bs, V] any float dtype
     batch: SamplingBatch,
-    token_ids: torch.Tensor | None,  # [bs, T] int64 padded with -1; needed if any_penalty
+    token_ids: torch.Tensor | None,  # [bs, T] int64 padded with -1; needed if uses_history
+    prompt_lens: torch.Tensor | None = None,  # [bs] int64; needed if any_counts
 ) -> torch.Tensor:  # [bs, V] float32, rows sum to 1, filtered entries 0
     """The distribution each row samples from: softmax of `process_logits`.
 
     Greedy rows get the softmax of their penalised logits (temperature 1); a greedy verifier
     takes their argmax instead. Rows `invalid_rows` flags come out NaN.
     """
-    return process_logits(logits, batch, token_ids).softmax(dim=-1)
+    return process_logits(logits, batch, token_ids, prompt_lens).softmax(dim=-1)
 
 
 def _exponential_noise(
@@ -294,7 +422,8 @@ def _exponential_noise(
 def sample(
     logits: torch.Tensor,  # [bs, V] any float dtype
     batch: SamplingBatch,
-    token_ids: torch.Tensor | None,  # [bs, T] int64 padded with -1; needed if any_penalty
+    token_ids: torch.Tensor | None,  # [bs, T] int64 padded with -1; needed if uses_history
+    prompt_lens: torch.Tensor | None = None,  # [bs] int64; needed if any_counts
 ) -> torch.Tensor:  # [bs] int64
     """The next token of every row, without a host sync.
 
@@ -307,7 +436,7 @@ def sample(
     with a NaN gives its first NaN's id (torch's argmax ranks NaN highest). The engine finds such
     rows with `invalid_rows` and fails them.
     """
-    processed = process_logits(logits, batch, token_ids)  # [bs, V]
+    processed = process_logits(logits, batch, token_ids, prompt_lens)  # [bs, V]
     if batch.all_greedy:
         return processed.argmax(dim=-1)
     noise = _exponential_noise(batch.generators, processed)  # [bs, V]

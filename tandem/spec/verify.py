@@ -88,16 +88,10 @@ def verify(
         raise ValueError(f"coin_block: {coin_block} < tree size {width}")
     ops = _ops(device)
     greedy_only = all(req.params.greedy for req in reqs)
-    any_penalty = any(req.params.repetition_penalty != 1.0 for req in reqs)
-    if greedy_only and not any_penalty:
+    if all(req.params.plain_greedy for req in reqs):
         processed = logits.float()  # what process_logits returns for these rows
     else:
-        params = [req.params for req, n in zip(reqs, sizes, strict=True) for _ in range(n)]
-        # process_logits never draws: the generators only satisfy build's check.
-        unused = torch.Generator(device=device)
-        batch = SamplingBatch.build(params, [None if p.greedy else unused for p in params], device)
-        history = _node_history(trees, reqs, device) if batch.any_penalty else None
-        processed = process_logits(logits, batch, history)  # [sum(N), V]
+        processed = _process(logits, trees, reqs)  # [sum(N), V]
     top_ids, top_lp, _ = ops.top1(processed)  # [sum(N)] each: the target's choice per node
 
     starts = [0, *itertools.accumulate(sizes)][:-1]
@@ -320,10 +314,36 @@ def _sampling(
     )
 
 
+def _process(
+    logits: torch.Tensor,  # [sum(N_i), V]
+    trees: Sequence[Tree],
+    reqs: Sequence[Request],
+) -> torch.Tensor:  # [sum(N_i), V] float32
+    """Every node's processed logits: each node is a row with its request's parameters, the
+    tokens before it (committed, then the tree path) and, while its request has fewer generated
+    tokens than ``min_tokens`` at that node, its EOS and stop tokens blocked."""
+    device = logits.device
+    params, blocked, prompt_lens = [], [], []
+    for tree, req in zip(trees, reqs, strict=True):
+        generated = len(req.output_ids)
+        for depth in tree.depths:
+            params.append(req.params)
+            below = generated + depth < req.params.min_tokens
+            blocked.append(req.min_tokens_block if below else ())
+            prompt_lens.append(len(req.prompt_ids))
+    # process_logits never draws: the generators only satisfy build's check.
+    unused = torch.Generator(device=device)
+    generators = [None if p.greedy else unused for p in params]
+    batch = SamplingBatch.build(params, generators, device, blocked)
+    history = _node_history(trees, reqs, device) if batch.uses_history else None
+    lens = torch.tensor(prompt_lens, dtype=torch.int64, device=device)
+    return process_logits(logits, batch, history, lens)
+
+
 def _node_history(
     trees: Sequence[Tree], reqs: Sequence[Request], device: torch.device | str
 ) -> torch.Tensor:  # [sum(N), T] int64 padded with -1
-    """Per node: the committed tokens plus the tree path down to it (repetition penalty)."""
+    """Per node: the committed tokens plus the tree path down to it (the penalties)."""
     rows: list[list[int]] = []
     for tree, req in zip(trees, reqs, strict=True):
         committed = req.tokens

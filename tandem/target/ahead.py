@@ -83,9 +83,8 @@ def launch(batch: ScheduledBatch, inputs: ModelInputs, outputs: ModelOutputs) ->
 
 
 def eligible(req: Request) -> bool:
-    """Whether ``req`` may decode ahead: greedy, no penalty, no tree."""
-    p = req.params
-    return req.tree is None and p.greedy and p.repetition_penalty == 1.0
+    """Whether ``req`` may decode ahead: greedy, no logits processor, no tree."""
+    return req.tree is None and req.params.plain_greedy
 
 
 def finishes_by_length(req: Request, max_model_len: int) -> bool:

@@ -138,8 +138,7 @@ class DeviceChain:
         return (
             req.decoding
             and req.in_draft
-            and p.greedy
-            and p.repetition_penalty == 1.0
+            and p.plain_greedy
             and tree is not None
             and len(tree) <= self.width
             and tree.is_chain

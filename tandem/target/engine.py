@@ -196,6 +196,8 @@ class Engine:
             self._next_id += 1
         if request_id in self._requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequest("logit_bias", f"ids must be in [0, {vocab})")
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -208,10 +210,18 @@ class Engine:
             speculate=speculate and self.drafter is not None,
             lane=lane,
             trace_context=trace_context or {},
+            min_tokens_block=self._min_tokens_block(params),
         )
         self.scheduler.add(req)
         self._requests[request_id] = req
         return request_id
+
+    def _min_tokens_block(self, params: SamplingParams) -> tuple[int, ...]:
+        if not params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.scheduler.eos_token_ids)
+        vocab = self.model.config.vocab_size
+        return tuple(sorted({t for t in (*params.stop_token_ids, *eos) if t < vocab}))
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

@@ -72,6 +72,10 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         max_new_tokens=params.max_new_tokens,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_tokens=params.min_tokens,
+        logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -105,6 +109,10 @@ def sampling_from_proto(
             ),
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            min_tokens=msg.min_tokens,
+            logit_bias=tuple(msg.logit_bias.items()),
         )
     except InvalidRequest as exc:
         raise InvalidRequest(_field(field, exc.field), exc.reason) from None

@@ -25,7 +25,20 @@ VOCAB = 32
 PROMPT = [5, 9, 17, 3]
 SAMPLES = 20000
 TOKENS = 3
-PARAMS = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": TOKENS, "ignore_eos": True}
+PARAMS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 0.9,
+    "max_new_tokens": TOKENS,
+    "ignore_eos": True,
+}
+# Every processor that reads the tokens so far, and a bias: their distribution depends on the
+# tree path each node sits on.
+PENALISED = PARAMS | {
+    "presence_penalty": 0.8,
+    "frequency_penalty": 0.6,
+    "repetition_penalty": 1.2,
+    "logit_bias": ((3, 2.0), (7, -1.5)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,26 +66,32 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return target, draft
 
 
-def target_probs(target: Path, contexts: list[list[int]]) -> torch.Tensor:  # [n, V]
+def target_probs(
+    target: Path, contexts: list[list[int]], kwargs: dict[str, Any]
+) -> torch.Tensor:  # [n, V]
     """The target's processed next-token distribution after each context (transformers)."""
     from tests.checkpoints import load_hf
 
     hf = load_hf(target)
     with torch.inference_mode():
         logits = hf(torch.tensor(contexts)).logits[:, -1].float()
-    params = [SamplingParams(**PARAMS)] * len(contexts)  # type: ignore[arg-type]
+    params = [SamplingParams(**kwargs)] * len(contexts)
     batch = SamplingBatch.build(params, [torch.Generator()] * len(contexts), "cpu")
-    return process_logits(logits, batch, None).softmax(dim=-1)
+    history = torch.tensor(contexts)  # [n, T]: one length per level
+    prompt_lens = torch.full((len(contexts),), len(PROMPT))
+    return process_logits(logits, batch, history, prompt_lens).softmax(dim=-1)
 
 
-def expected_distributions(target: Path) -> list[dict[tuple[int, ...], float]]:
+def expected_distributions(
+    target: Path, kwargs: dict[str, Any] = PARAMS
+) -> list[dict[tuple[int, ...], float]]:
     """Exact probabilities of every 1-, 2- and 3-token prefix of the output."""
     out: list[dict[tuple[int, ...], float]] = []
-    level = {(): 1.0}
+    level: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(TOKENS):
         prefixes = [p for p, q in level.items() if q > 0]
-        probs = target_probs(target, [PROMPT + list(p) for p in prefixes])
-        nxt = {}
+        probs = target_probs(target, [PROMPT + list(p) for p in prefixes], kwargs)
+        nxt: dict[tuple[int, ...], float] = {}
         for prefix, row in zip(prefixes, probs, strict=True):
             for token in torch.nonzero(row > 0).flatten().tolist():
                 nxt[(*prefix, token)] = level[prefix] * float(row[token])
@@ -108,7 +127,9 @@ def critical(dof: int) -> float:
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
-def sample_outputs(target: Path, draft: Path | None, spec: SpecConfig | None) -> list[list[int]]:
+def sample_outputs(
+    target: Path, draft: Path | None, spec: SpecConfig | None, kwargs: dict[str, Any] = PARAMS
+) -> list[list[int]]:
     drafter = None
     if draft is not None:
         drafter = build_drafter(DraftConfig(kind="model", path=draft, target=target), 4)
@@ -119,10 +140,7 @@ def sample_outputs(target: Path, draft: Path | None, spec: SpecConfig | None) ->
     )
     outputs = []
     for start in range(0, SAMPLES, 1000):
-        params = [
-            SamplingParams(**PARAMS, seed=1_000_003 * (start + i))  # type: ignore[arg-type]
-            for i in range(1000)
-        ]
+        params = [SamplingParams(**kwargs, seed=1_000_003 * (start + i)) for i in range(1000)]
         outputs += [r.token_ids for r in engine.generate([PROMPT] * 1000, params)]
     return outputs
 
@@ -147,6 +165,21 @@ def test_speculative_sampling_matches_the_target_distribution(tiny: tuple[Path, 
     assert check(outputs, expected) == [True] * TOKENS
     # Target-only sampling passes the same test.
     assert check(sample_outputs(target, None, None), expected) == [True] * TOKENS
+
+
+@pytest.mark.slow
+def test_penalties_and_bias_keep_the_target_distribution(tiny: tuple[Path, Path]) -> None:
+    target, draft = tiny
+    expected = expected_distributions(target, PENALISED)
+    assert expected != expected_distributions(target), "the processors changed nothing"
+    spec = SpecConfig(num_steps=2, topk=2, num_draft_tokens=5)
+    outputs = sample_outputs(target, draft, spec, PENALISED)
+    assert check(outputs, expected) == [True] * TOKENS
+    # The same samples are far from the distribution without the processors: some have no
+    # probability there at all (top-p cut them), or the test fails.
+    plain = expected_distributions(target)
+    impossible = sum(tuple(o) not in plain[-1] for o in outputs)
+    assert impossible > 0 or check(outputs, plain) != [True] * TOKENS
 
 
 @pytest.mark.slow

@@ -38,6 +38,10 @@ def test_sampling_round_trip() -> None:
         max_new_tokens=77,
         stop_token_ids=(5, 9),
         ignore_eos=True,
+        presence_penalty=-0.5,
+        frequency_penalty=1.75,
+        min_tokens=3,
+        logit_bias=((2, -100.0), (7, 2.5)),
     )
     msg = common_pb2.SamplingParams.FromString(wire.sampling_to_proto(params).SerializeToString())
     assert wire.sampling_from_proto(msg, default_max_new_tokens=1) == params
@@ -63,6 +67,10 @@ def test_sampling_defaults_of_unset_fields() -> None:
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"seed": 2**63}, "seed"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("inf")}, "frequency_penalty"),
+        ({"min_tokens": 9}, "min_tokens"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
     ],
 )
 def test_sampling_validation(fields: dict[str, object], field: str) -> None:
