@@ -230,6 +230,7 @@ def generate(
             MofNCompleteColumn(),
             console=err,
             transient=True,
+            disable=progress is False,
         ) as bar:
             task = bar.add_task("generate", total=total)
             results = engine.generate(prompt_ids, params, lambda n: bar.advance(task, n))
