@@ -59,7 +59,7 @@ class RetryPolicy:
 
     attempts: int = 8  # in all, the first included; 1: never retry
     initial_backoff_s: float = 0.25  # the backoff doubles from here, with jitter
-    max_backoff_s: float = 30.0  # and stays below this; a longer RetryInfo delay still wins
+    max_backoff_s: float = 30.0  # the longest wait, a server's RetryInfo delay included
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -172,7 +172,7 @@ async def generate_retrying(
     def wait(state: RetryCallState) -> float:
         error = state.outcome.exception() if state.outcome is not None else None
         hinted = retry_delay(error) if error is not None else None
-        return max(backoff(state), hinted or 0.0)
+        return min(max(backoff(state), hinted or 0.0), retry.max_backoff_s)
 
     def before_sleep(state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome is not None else None
