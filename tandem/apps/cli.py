@@ -161,10 +161,11 @@ def generate(
     if server is not None:
         from tandem.apps.remote import generate_through
 
-        records = generate_through(
+        generate_through(
             server,
             texts,
             err,
+            emit=lambda records: _print_records(records, as_json),
             progress=err.is_terminal if progress is None else progress,
             max_in_flight=max_in_flight,
             attempts=attempts,
@@ -177,7 +178,6 @@ def generate(
             max_new_tokens=max_new_tokens,
             ignore_eos=ignore_eos,
         )
-        _print_records(records, as_json)
         return
     try:
         target, draft, draft_kind, embedded = embedded_defaults(

@@ -51,6 +51,7 @@ _STATUS_DETAILS = "grpc-status-details-bin"
 
 Prompt = str | list[int]
 OnRetry = Callable[[grpc.StatusCode, float], None]  # the refusal's code, the wait before retry
+OnDone = Callable[[int, dict[str, Any]], None]  # a prompt's index and its record
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,12 +203,12 @@ async def generate_batch(
     *,
     max_in_flight: int,
     retry: RetryPolicy = RetryPolicy(),
-    on_done: Callable[[dict[str, Any]], None] | None = None,
+    on_done: OnDone | None = None,
     on_retry: OnRetry | None = None,
 ) -> list[dict[str, Any]]:
     """Every prompt through the gateway, at most ``max_in_flight`` at once; records in prompt
-    order. The first prompt that fails for good cancels the rest (the gateway aborts them) and
-    raises ``GenerateFailed``."""
+    order (``on_done`` gets each with its index as it completes). The first prompt that fails
+    for good cancels the rest (the gateway aborts them) and raises ``GenerateFailed``."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
     if len(sampling) != len(prompts):
@@ -224,7 +225,7 @@ async def generate_batch(
             except (grpc.aio.AioRpcError, RuntimeError) as exc:
                 raise GenerateFailed(i, exc) from exc
             if on_done is not None:
-                on_done(records[i])  # type: ignore[arg-type]
+                on_done(i, records[i])  # type: ignore[arg-type]
 
     try:
         async with asyncio.TaskGroup() as group:
@@ -259,7 +260,7 @@ def generate_remote(
     max_in_flight: int | None = None,
     retry: RetryPolicy = RetryPolicy(),
     on_start: Callable[[int], None] | None = None,
-    on_done: Callable[[dict[str, Any]], None] | None = None,
+    on_done: OnDone | None = None,
     on_retry: OnRetry | None = None,
 ) -> list[dict[str, Any]]:
     """Every prompt through the gateway at ``address``, prompt i with seed+i; at most

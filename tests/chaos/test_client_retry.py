@@ -58,7 +58,7 @@ def test_a_batch_outlives_a_dead_gateway(serve: Serve) -> None:
                 serve,
                 max_in_flight=4,
                 retry=RetryPolicy(attempts=40, max_backoff_s=2.0),
-                on_done=done.append,
+                on_done=lambda _, record: done.append(record),
                 on_retry=lambda code, _: retried.append(code),
             )
         )

@@ -102,7 +102,7 @@ def test_a_batch_many_times_the_limit_completes_as_one_at_a_time(stack: Stack) -
         PROMPTS,
         max_in_flight=len(PROMPTS),
         retry=RetryPolicy(attempts=50, max_backoff_s=2.0),
-        on_done=done.append,
+        on_done=lambda _, record: done.append(record),
         on_retry=lambda code, delay: refusals.append((code, delay)),
     )
     assert refusals and {code for code, _ in refusals} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
