@@ -1,12 +1,16 @@
 """Incremental detokenization and stop-string matching for one streamed request.
 
-`IncrementalDetokenizer` turns committed token ids into text deltas the way TGI and vLLM do: it
-decodes a short window of ids twice, with and without the newest ones, and emits the difference,
-so tokenizers whose pieces depend on their neighbours (SentencePiece's leading spaces, WordPiece
-joins) produce the same text as decoding the whole sequence. A delta that ends in U+FFFD is held
-back until the next id completes the character, so no chunk carries half a UTF-8 sequence. The
-window starts inside the prompt, so the streamed text is the continuation of the prompt's text
-(it may begin with a space).
+`IncrementalDetokenizer` turns committed token ids into text deltas with the tokenizers
+library's `DecodeStream` (the algorithm TGI and vLLM use): it decodes the ids of the last delta
+with and without the new ones and emits the difference, so tokenizers whose pieces depend on
+their neighbours (SentencePiece's leading spaces, WordPiece joins, byte-level BPE) produce the
+same text as decoding the whole sequence, and holds text that ends in U+FFFD back until the
+next id completes the character, so no chunk carries half a UTF-8 sequence. The first window
+starts inside the prompt, so the streamed text is the continuation of the prompt's text (it may
+begin with a space). A tokenizer without a Rust backend (transformers' Python tokenizers) runs
+the same algorithm through its own ``decode``; so does a request whose decoder turns out not to
+keep a text's prefix (tokenizers raises; the windowed difference goes on) and one whose prompt
+ends inside a character (`DecodeStream` would emit the prompt's window as text).
 
 `StopStringMatcher` scans that text for the request's stop strings and releases only text that
 cannot be the start of a match, so a stop string split across chunks is still found and the
@@ -15,8 +19,14 @@ client never sees any part of it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+logger = logging.getLogger(__name__)
 
 # How far into the prompt the first decode window reaches: enough context for pieces whose
 # text depends on the previous token (TGI and vLLM use the same 5).
@@ -36,33 +46,56 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids)
-        # ids[prefix_offset:read_offset] is text already emitted; ids[read_offset:] is not yet.
-        self._read_offset = len(self._ids)
-        self._prefix_offset = max(self._read_offset - _PROMPT_CONTEXT, 0)
+        # The ids of the last text emitted (first: the prompt's tail), and those after them
+        # whose text is held back: the window DecodeStream keeps, mirrored for flush().
+        self._context: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self._held: list[int] = []
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream: tuple[DecodeStream, Tokenizer] | None = None
+        if isinstance(backend, Tokenizer) and not self._decode(self._context).endswith(
+            _REPLACEMENT
+        ):
+            stream = DecodeStream(self._context, skip_special_tokens=skip_special_tokens)
+            self._stream = (stream, backend)
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Appends committed ids; returns the text they complete (maybe empty)."""
-        self._ids.extend(token_ids)
-        return self._advance(final=False)
+        if not token_ids:
+            return ""
+        self._held.extend(token_ids)
+        text = self._step(list(token_ids))
+        if text is None:
+            return ""
+        self._context, self._held = self._held, []
+        return text
 
     def flush(self) -> str:
         """The text still held back (an incomplete character at the end of the sequence)."""
-        return self._advance(final=True)
+        if not self._held:
+            return ""
+        text = self._window(final=True) or ""
+        self._context, self._held = self._held, []
+        return text
 
-    def _advance(self, *, final: bool) -> str:
-        if self._read_offset == len(self._ids):
-            return ""
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) and not final:
-            return ""
-        if new_text.endswith(_REPLACEMENT) and not final:
-            return ""
-        delta = new_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        return delta
+    def _step(self, token_ids: list[int]) -> str | None:
+        if self._stream is not None:
+            try:
+                stream, backend = self._stream
+                return stream.step(backend, token_ids)
+            except Exception as exc:  # tokenizers raises a bare Exception (InvalidPrefix)
+                logger.debug("DecodeStream gave up (%s); windowed decode from here", exc)
+                self._stream = None
+        return self._window(final=False)
+
+    def _window(self, *, final: bool) -> str | None:
+        """What DecodeStream computes, through the tokenizer's ``decode``: the held ids' text
+        after the context's, or None while it would be empty or end in an incomplete
+        character (unless ``final``)."""
+        prefix = self._decode(self._context)
+        text = self._decode(self._context + self._held)
+        if not final and (len(text) <= len(prefix) or text.endswith(_REPLACEMENT)):
+            return None
+        return text[len(prefix) :]
 
     def _decode(self, ids: list[int]) -> str:
         text: str = self._tokenizer.decode(

@@ -399,6 +399,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         speculation = common_pb2.SpeculationParams(
             enabled=info.draft_kind != common_pb2.DRAFT_KIND_UNSPECIFIED, draft_kind=info.draft_kind
         )
+        speculation.MergeFrom(info.speculation)  # S, K, N as configured at the target
         stats = self.client.last_stats
         if stats is not None and stats.HasField("speculation"):
             speculation.MergeFrom(stats.speculation)
@@ -418,6 +419,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             num_waiting=self.admission.num_waiting,
             uptime_ns=time.monotonic_ns() - self.started_ns,
             target_connected=self.client.connected,
+            spec_policy=info.spec_policy,
+            max_running=self.admission.max_running,
+            max_queue=self.admission.max_queue,
         )
         if status is not None:
             response.verify_steps = status.verify_steps

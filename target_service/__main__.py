@@ -47,6 +47,11 @@ _KINDS = {
     "model": common_pb2.DRAFT_KIND_MODEL,
     "ngram": common_pb2.DRAFT_KIND_NGRAM,
 }
+_POLICIES = {
+    "fixed": common_pb2.SPEC_POLICY_FIXED,
+    "adaptive": common_pb2.SPEC_POLICY_ADAPTIVE,
+    "k0": common_pb2.SPEC_POLICY_K0,
+}
 
 
 ENV = "TANDEM_TARGET_"
@@ -263,6 +268,13 @@ def get_info(
     )
     if config.draft_kind is not None:
         info.draft_kind = _KINDS[config.draft_kind]
+    info.speculation.enabled = config.spec is not None
+    info.speculation.draft_kind = info.draft_kind
+    if config.spec is not None:  # the configuration in use: what GetServerInfo reports
+        info.speculation.num_steps = config.spec.num_steps
+        info.speculation.topk = config.spec.topk
+        info.speculation.num_draft_tokens = config.spec.tree_size
+        info.spec_policy = _POLICIES[config.engine.spec_policy]
     return info
 
 

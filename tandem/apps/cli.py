@@ -123,6 +123,25 @@ def generate(
         str | None,
         typer.Option(envvar="TANDEM_SERVER", help="HOST:PORT of a gateway: generate through it."),
     ] = None,
+    max_in_flight: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="With --server: requests open at once [default: the gateway's --max-running].",
+        ),
+    ] = None,
+    attempts: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="With --server: tries per prompt while the gateway refuses it for load "
+            "(RESOURCE_EXHAUSTED) or is unavailable, waiting as its RetryInfo asks.",
+        ),
+    ] = 8,
+    progress: Annotated[
+        bool | None,
+        typer.Option(help="A progress bar on stderr [default: when stderr is a terminal]."),
+    ] = None,
     **settings: Any,
 ) -> None:
     """Generate text for PROMPTs, in-process or through a running gateway (--server)."""
@@ -138,12 +157,18 @@ def generate(
     engine_settings = GENERATE_TARGET.pick(settings)
     drafting = GENERATE_DRAFT.pick(settings)
     texts = read_prompts(prompts)
+    err = Console(stderr=True)
     if server is not None:
-        from tandem.apps.client import generate_remote
+        from tandem.apps.remote import generate_through
 
-        records = generate_remote(
+        generate_through(
             server,
             texts,
+            err,
+            emit=lambda records: _print_records(records, as_json),
+            progress=err.is_terminal if progress is None else progress,
+            max_in_flight=max_in_flight,
+            attempts=attempts,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -153,9 +178,7 @@ def generate(
             max_new_tokens=max_new_tokens,
             ignore_eos=ignore_eos,
         )
-        _print_records(records, as_json)
         return
-    err = Console(stderr=True)
     try:
         target, draft, draft_kind, embedded = embedded_defaults(
             engine_settings.pop("model"), drafting["path"], drafting["kind"]
@@ -207,6 +230,7 @@ def generate(
             MofNCompleteColumn(),
             console=err,
             transient=True,
+            disable=progress is False,
         ) as bar:
             task = bar.add_task("generate", total=total)
             results = engine.generate(prompt_ids, params, lambda n: bar.advance(task, n))

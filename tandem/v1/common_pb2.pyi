@@ -30,6 +30,13 @@ class DraftKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFT_KIND_MODEL: _ClassVar[DraftKind]
     DRAFT_KIND_NGRAM: _ClassVar[DraftKind]
 
+class SpecPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPEC_POLICY_UNSPECIFIED: _ClassVar[SpecPolicy]
+    SPEC_POLICY_FIXED: _ClassVar[SpecPolicy]
+    SPEC_POLICY_ADAPTIVE: _ClassVar[SpecPolicy]
+    SPEC_POLICY_K0: _ClassVar[SpecPolicy]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -62,6 +69,10 @@ DRAFT_KIND_EAGLE: DraftKind
 DRAFT_KIND_MTP: DraftKind
 DRAFT_KIND_MODEL: DraftKind
 DRAFT_KIND_NGRAM: DraftKind
+SPEC_POLICY_UNSPECIFIED: SpecPolicy
+SPEC_POLICY_FIXED: SpecPolicy
+SPEC_POLICY_ADAPTIVE: SpecPolicy
+SPEC_POLICY_K0: SpecPolicy
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason

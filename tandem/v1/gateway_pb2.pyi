@@ -144,7 +144,7 @@ class LaneInfo(_message.Message):
     def __init__(self, lane_id: _Optional[int] = ..., num_requests: _Optional[int] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., accept_length: _Optional[float] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "speculation", "lanes", "draft_state", "target_kv_usage", "draft_kv_usage", "num_running", "num_waiting", "uptime_ns", "target_connected", "verify_steps", "drafted_steps", "steps_without_tree")
+    __slots__ = ("version", "speculation", "lanes", "draft_state", "target_kv_usage", "draft_kv_usage", "num_running", "num_waiting", "uptime_ns", "target_connected", "verify_steps", "drafted_steps", "steps_without_tree", "spec_policy", "max_running", "max_queue")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     LANES_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,9 @@ class GetServerInfoResponse(_message.Message):
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEPS_WITHOUT_TREE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     version: str
     speculation: _common_pb2.SpeculationParams
     lanes: _containers.RepeatedCompositeFieldContainer[LaneInfo]
@@ -171,4 +174,7 @@ class GetServerInfoResponse(_message.Message):
     verify_steps: int
     drafted_steps: int
     steps_without_tree: _common_pb2.StepsWithoutTree
-    def __init__(self, version: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., lanes: _Optional[_Iterable[_Union[LaneInfo, _Mapping]]] = ..., draft_state: _Optional[_Union[_common_pb2.DraftState, str]] = ..., target_kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., draft_kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., target_connected: _Optional[bool] = ..., verify_steps: _Optional[int] = ..., drafted_steps: _Optional[int] = ..., steps_without_tree: _Optional[_Union[_common_pb2.StepsWithoutTree, _Mapping]] = ...) -> None: ...
+    spec_policy: _common_pb2.SpecPolicy
+    max_running: int
+    max_queue: int
+    def __init__(self, version: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., lanes: _Optional[_Iterable[_Union[LaneInfo, _Mapping]]] = ..., draft_state: _Optional[_Union[_common_pb2.DraftState, str]] = ..., target_kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., draft_kv_usage: _Optional[_Union[_common_pb2.KvUsage, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., target_connected: _Optional[bool] = ..., verify_steps: _Optional[int] = ..., drafted_steps: _Optional[int] = ..., steps_without_tree: _Optional[_Union[_common_pb2.StepsWithoutTree, _Mapping]] = ..., spec_policy: _Optional[_Union[_common_pb2.SpecPolicy, str]] = ..., max_running: _Optional[int] = ..., max_queue: _Optional[int] = ...) -> None: ...

@@ -154,7 +154,7 @@ class TargetServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetServiceGetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_model_len", "num_layers", "hidden_size", "dtype", "eos_token_ids", "max_batch_size", "draft_kind", "status", "version")
+    __slots__ = ("model_id", "vocab_size", "max_model_len", "num_layers", "hidden_size", "dtype", "eos_token_ids", "max_batch_size", "draft_kind", "status", "version", "speculation", "spec_policy")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,8 @@ class TargetServiceGetInfoResponse(_message.Message):
     DRAFT_KIND_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    SPEC_POLICY_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_model_len: int
@@ -177,4 +179,6 @@ class TargetServiceGetInfoResponse(_message.Message):
     draft_kind: _common_pb2.DraftKind
     status: TargetStatus
     version: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_batch_size: _Optional[int] = ..., draft_kind: _Optional[_Union[_common_pb2.DraftKind, str]] = ..., status: _Optional[_Union[TargetStatus, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
+    speculation: _common_pb2.SpeculationParams
+    spec_policy: _common_pb2.SpecPolicy
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_batch_size: _Optional[int] = ..., draft_kind: _Optional[_Union[_common_pb2.DraftKind, str]] = ..., status: _Optional[_Union[TargetStatus, _Mapping]] = ..., version: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationParams, _Mapping]] = ..., spec_policy: _Optional[_Union[_common_pb2.SpecPolicy, str]] = ...) -> None: ...

@@ -233,6 +233,11 @@ def test_against_the_real_target_service(tmp_path: Path) -> None:
                 await wait_until(lambda: alloc.num_free_pages == alloc.num_pages)
                 info = await stub.GetModelInfo(gateway_pb2.GetModelInfoRequest())
                 assert info.vocab_size == engine.model.config.vocab_size
+                # No draft: speculation off, no policy; the gateway's default limits.
+                described = await stub.GetServerInfo(gateway_pb2.GetServerInfoRequest())
+                assert described.speculation == common_pb2.SpeculationParams(enabled=False)
+                assert described.spec_policy == common_pb2.SPEC_POLICY_UNSPECIFIED
+                assert (described.max_running, described.max_queue) == (64, 256)
                 assert gateway.client.num_connects == 1  # the stop abort kept the stream up
         finally:
             await gateway.stop(0)
