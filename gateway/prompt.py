@@ -51,7 +51,8 @@ class PromptReader:
         if which is None:
             raise InvalidRequest("prompt", "set text or token_ids")
         if which == "text":
-            prompt_ids = await self._tokenize(request.text, info.max_model_len)
+            special = not request.HasField("add_special_tokens") or request.add_special_tokens
+            prompt_ids = await self._tokenize(request.text, info.max_model_len, special)
         else:
             prompt_ids = _copy_ids(request.token_ids.ids, info.max_model_len)
         if not prompt_ids:
@@ -65,7 +66,7 @@ class PromptReader:
         """Lets the threads go once the prompts they hold are read."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _tokenize(self, text: str, max_model_len: int) -> list[int]:
+    async def _tokenize(self, text: str, max_model_len: int, special: bool) -> list[int]:
         if not text:
             raise InvalidRequest("text", "must not be empty")
         limit = max_model_len * self.bytes_per_token
@@ -78,11 +79,12 @@ class PromptReader:
                 f"at most {limit} ({self.bytes_per_token} per token)",
             )
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._encode, text)
+        return await loop.run_in_executor(self._pool, self._encode, text, special)
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, special: bool) -> list[int]:
         # The tokenizer's call (a batch of one) works without the GIL; ``encode`` holds it.
-        return [int(t) for t in self.tokenizer(text)["input_ids"]]
+        ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
+        return [int(t) for t in ids]
 
 
 def _copy_ids(ids: Sequence[int], max_model_len: int) -> list[int]:

@@ -72,6 +72,35 @@ def test_streams_chunks_then_a_completion_with_usage(words: Path) -> None:
     run(body)
 
 
+def test_special_tokens_switch_and_request_features_reach_the_target(words: Path) -> None:
+    async def body() -> None:
+        async with stack(words, tokens_per_step=2) as s:
+            sampling = common_pb2.SamplingParams(
+                max_new_tokens=4,
+                presence_penalty=0.5,
+                frequency_penalty=-1.25,
+                min_tokens=2,
+                logit_bias={7: -100.0, 9: 2.5},
+            )
+            for special, ids in ((None, [1, 9, 10]), (True, [1, 9, 10]), (False, [9, 10])):
+                request = gateway_pb2.GenerateRequest(text="w9 w10", sampling=sampling)
+                if special is not None:
+                    request.add_special_tokens = special
+                _, complete = await generate(s.stub, request)
+                assert list(s.target.admits[-1].prompt_token_ids) == ids
+                assert complete.usage.prompt_tokens == len(ids)
+            admitted = s.target.admits[-1].sampling
+            assert (admitted.presence_penalty, admitted.frequency_penalty) == (0.5, -1.25)
+            assert admitted.min_tokens == 2 and dict(admitted.logit_bias) == {7: -100.0, 9: 2.5}
+            # Token ids are used as they are, whatever the switch says.
+            request = ids_request([5, 6], max_new_tokens=2)
+            request.add_special_tokens = True
+            await generate(s.stub, request)
+            assert list(s.target.admits[-1].prompt_token_ids) == [5, 6]
+
+    run(body)
+
+
 @pytest.mark.parametrize("tokens_per_step", [1, 3])
 def test_multibyte_text_is_never_split(byte_level: Path, tokens_per_step: int) -> None:
     text = "héllo wörld 😀 日本語 ✓"
