@@ -112,6 +112,15 @@ def generate(
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
     min_p: Annotated[float, typer.Option(help="Drop tokens below min_p * max prob.")] = 0.0,
     repetition_penalty: Annotated[float, typer.Option(help="1 = off.")] = 1.0,
+    presence_penalty: Annotated[
+        float, typer.Option(help="Minus this on every token generated so far, in [-2, 2].")
+    ] = 0.0,
+    frequency_penalty: Annotated[
+        float, typer.Option(help="Minus this per time a token was generated, in [-2, 2].")
+    ] = 0.0,
+    min_tokens: Annotated[
+        int, typer.Option(help="No EOS or stop token before this many new tokens.")
+    ] = 0,
     seed: Annotated[
         int | None, typer.Option(help="Seed of prompt 0's random stream; prompt i uses seed+i.")
     ] = None,
@@ -174,6 +183,9 @@ def generate(
             top_p=top_p,
             min_p=min_p,
             repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            min_tokens=min_tokens,
             seed=seed,
             max_new_tokens=max_new_tokens,
             ignore_eos=ignore_eos,
@@ -195,6 +207,9 @@ def generate(
                 top_p=top_p,
                 min_p=min_p,
                 repetition_penalty=repetition_penalty,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                min_tokens=min_tokens,
                 seed=None if seed is None else seed + i,
                 max_new_tokens=max_new_tokens,
                 ignore_eos=ignore_eos,

@@ -257,6 +257,9 @@ def generate_remote(
     seed: int | None,
     max_new_tokens: int,
     ignore_eos: bool,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    min_tokens: int = 0,
     max_in_flight: int | None = None,
     retry: RetryPolicy = RetryPolicy(),
     on_start: Callable[[int], None] | None = None,
@@ -275,6 +278,9 @@ def generate_remote(
             repetition_penalty=repetition_penalty,
             max_new_tokens=max_new_tokens,
             ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            min_tokens=min_tokens,
         )
         if seed is not None:
             params.seed = seed + i

@@ -15,7 +15,9 @@ from tests.helpers.cli import run_cli
 pytestmark = pytest.mark.e2e  # every test runs the command line in a subprocess
 
 
-def test_generate_json_equals_transformers_greedy(tmp_path: Path) -> None:
+# Past EOS by ignoring it, or by min_tokens (transformers' min_new_tokens, as the reference).
+@pytest.mark.parametrize("past_eos", [["--ignore-eos"], ["--min-tokens", "24"]])
+def test_generate_json_equals_transformers_greedy(tmp_path: Path, past_eos: list[str]) -> None:
     from transformers import AutoTokenizer
 
     path = make_checkpoint(tmp_path / "ckpt", "qwen3", seed=4)
@@ -27,7 +29,7 @@ def test_generate_json_equals_transformers_greedy(tmp_path: Path) -> None:
         str(path),
         "--max-new-tokens",
         "24",
-        "--ignore-eos",
+        *past_eos,
         "--page-size",
         "16",
         "--json",
@@ -71,3 +73,6 @@ def test_generate_reports_bad_input_clearly(tmp_path: Path) -> None:
     proc = run_cli("generate", "--target", str(path), "--temperature", "-1", "w5")
     assert proc.returncode == 2
     assert "temperature" in proc.stderr
+    proc = run_cli("generate", "--target", str(path), "--presence-penalty", "3", "w5")
+    assert proc.returncode == 2
+    assert "presence_penalty" in proc.stderr
