@@ -288,6 +288,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             text=text if job.detokenize else "",
             # Only when asked for: the target reports them for every commit.
             logprobs=list(commit.logprobs)[: len(token_ids)] if job.admit.sampling.logprobs else [],
+            top_logprobs=list(commit.top_logprobs)[: len(token_ids)],
         )
         if job.continuous_usage:
             chunk.usage.prompt_tokens = len(job.prompt_ids)

@@ -25,6 +25,14 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The most likely tokens at one position and their log-probabilities, most likely first."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 @dataclass(eq=False, kw_only=True)
 class Request:
     """One generation. ``num_computed`` tokens of ``tokens`` have their KV written."""
@@ -39,6 +47,8 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     output_logprobs: list[float] = field(default_factory=list)
+    # Per generated token, the ``params.top_logprobs`` most likely tokens (where asked).
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     speculate: bool = True  # per-request opt-out; False decodes with trees of one node
     tree: Tree | None = None  # the draft's proposal for the next step, node 0 = tokens[-1]
     in_draft: bool = False  # the draft tracks it (admitted after its prompt, until released)
@@ -85,5 +95,6 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[float]
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # where asked
     finished: bool
     finish_reason: FinishReason | None

@@ -30,10 +30,12 @@ import torch
 
 import kernels
 from tandem.errors import InvalidRequest
+from tandem.penalties import apply_counts_penalty, apply_repetition_penalty
 
 _NEG_INF = float("-inf")
 _MAX_SEED = 2**63
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI takes 300)
+MAX_TOP_LOGPROBS = 20  # alternatives per position (OpenAI's and vLLM's default bound)
 
 
 def _real(name: str, value: object) -> float:
@@ -72,6 +74,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2]: minus this per occurrence in the generated tokens
     min_tokens: int = 0  # EOS and the stop tokens are masked until this many are generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
+    top_logprobs: int = 0  # the most likely tokens reported per position, [0, MAX_TOP_LOGPROBS]
 
     def __post_init__(self) -> None:
         temperature = _real("temperature", self.temperature)
@@ -111,6 +114,9 @@ class SamplingParams:
         if not 0 <= min_tokens <= max_new_tokens:
             raise InvalidRequest("min_tokens", f"must be in [0, max_new_tokens], got {min_tokens}")
         logit_bias = _logit_bias(self.logit_bias)
+        top_logprobs = _integer("top_logprobs", self.top_logprobs)
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         normalised = {
             "temperature": temperature,
             "top_k": top_k,
@@ -124,6 +130,7 @@ class SamplingParams:
             "frequency_penalty": frequency,
             "min_tokens": min_tokens,
             "logit_bias": logit_bias,
+            "top_logprobs": top_logprobs,
         }
         for name, normal in normalised.items():
             object.__setattr__(self, name, normal)
@@ -143,8 +150,10 @@ class SamplingParams:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no processor: the choice is the raw logits' argmax."""
-        return self.greedy and not self.uses_history and not self.min_tokens and not self.logit_bias
+        """Greedy with no processor and no alternatives asked: the raw logits' argmax is all a
+        step needs (the paths that decode ahead or run device-chain steps take only these)."""
+        plain = not (self.uses_history or self.min_tokens or self.logit_bias or self.top_logprobs)
+        return self.greedy and plain
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
@@ -274,41 +283,6 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
-
-
-def apply_repetition_penalty(
-    logits: torch.Tensor,  # [bs, V] float32
-    token_ids: torch.Tensor,  # [bs, T] int64, prompt + generated, padded with -1
-    penalty: torch.Tensor,  # [bs] float32
-) -> torch.Tensor:  # [bs, V] float32
-    """HF's repetition penalty: a seen token's logit is times p if negative, else divided by p."""
-    bs, vocab = logits.shape
-    # Padding and ids past the vocabulary land in an extra column that is dropped, as in HF.
-    ids = token_ids.masked_fill(token_ids < 0, vocab).clamp(max=vocab)  # [bs, T]
-    seen = torch.zeros(bs, vocab + 1, dtype=torch.bool, device=logits.device)  # [bs, V + 1]
-    seen = seen.scatter_(1, ids, True)[:, :vocab]  # [bs, V]
-    p = penalty.to(logits.dtype)[:, None]  # [bs, 1]
-    penalised = torch.where(logits < 0, logits * p, logits / p)  # [bs, V]
-    return torch.where(seen, penalised, logits)
-
-
-def apply_counts_penalty(
-    logits: torch.Tensor,  # [bs, V] float32
-    token_ids: torch.Tensor,  # [bs, T] int64, prompt + generated, padded with -1
-    prompt_lens: torch.Tensor,  # [bs] int64: the first generated position of each row
-    presence: torch.Tensor,  # [bs] float32
-    frequency: torch.Tensor,  # [bs] float32
-) -> torch.Tensor:  # [bs, V] float32
-    """vLLM's and OpenAI's presence and frequency penalties, over the generated tokens only:
-    logit - frequency * count - presence * (count > 0)."""
-    bs, vocab = logits.shape
-    position = torch.arange(token_ids.shape[1], device=token_ids.device)[None, :]  # [1, T]
-    generated = (position >= prompt_lens[:, None]) & (token_ids >= 0)  # [bs, T]
-    ids = token_ids.masked_fill(~generated, vocab).clamp(max=vocab)  # [bs, T]
-    counts = torch.zeros(bs, vocab + 1, dtype=logits.dtype, device=logits.device)
-    counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))[:, :vocab]
-    penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0)  # [bs, V]
-    return logits - penalty
 
 
 def _apply_top_k(

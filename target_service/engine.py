@@ -280,17 +280,21 @@ class TargetLoop:
 
     def _commit(self, output: RequestOutput) -> target_pb2.Commit:
         if output.finished:
-            return self._final(
+            commit = self._final(
                 output.request_id,
                 result=self.engine.pop_finished(output.request_id),
                 tokens=output.new_token_ids,
                 logprobs=output.new_logprobs,
             )
-        return target_pb2.Commit(
-            request_id=output.request_id,
-            token_ids=output.new_token_ids,
-            logprobs=output.new_logprobs,
-        )
+        else:
+            commit = target_pb2.Commit(
+                request_id=output.request_id,
+                token_ids=output.new_token_ids,
+                logprobs=output.new_logprobs,
+            )
+        for top in output.new_top_logprobs:
+            commit.top_logprobs.add(token_ids=top.token_ids, logprobs=top.logprobs)
+        return commit
 
     def _final(
         self,

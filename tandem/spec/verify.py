@@ -18,6 +18,7 @@ wrap.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -32,7 +33,7 @@ from kernels.reference import (
     verify_sampling_ref,
 )
 from tandem.kv import KVCache
-from tandem.request import Request
+from tandem.request import Request, TopLogprobs
 from tandem.sampling import SamplingBatch, process_logits
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import NoTree, SpecStats, Tree
@@ -46,6 +47,7 @@ class Verified:
     accept_nodes: list[int]  # accepted path: node 0 then the accepted drafts' nodes
     new_tokens: list[int]  # accepted draft tokens + the bonus token
     logprobs: list[float]  # target log-probability of each new token
+    top_logprobs: list[TopLogprobs] | None = None  # per new token, where the request asks
 
 
 def _ops(device: torch.device) -> kernels.Ops:
@@ -139,13 +141,42 @@ def verify(
     index_host = [ints[b * accept_width : (b + 1) * accept_width] for b in range(bs)]
     len_host = ints[bs * accept_width : bs * accept_width + bs]
     bonus_host = ints[bs * accept_width + bs :]
+    tops = _top_logprobs(processed, lse, rows, len_host, reqs)
     out = []
     for b, tree in enumerate(trees):
         n = len_host[b]
         nodes = index_host[b][:n]
         new = [tree.tokens[i] for i in nodes[1:]] + [bonus_host[b]]
-        out.append(Verified(accept_nodes=nodes, new_tokens=new, logprobs=lps_host[b][:n]))
+        lp = lps_host[b][:n]
+        out.append(Verified(accept_nodes=nodes, new_tokens=new, logprobs=lp, top_logprobs=tops[b]))
     return out
+
+
+def _top_logprobs(
+    processed: torch.Tensor,  # [sum(N), V] float32, what each node's token is drawn from
+    lse: torch.Tensor,  # [sum(N)] its logsumexp
+    rows: torch.Tensor,  # [bs, A] the flat row of each new token's node
+    lens: list[int],  # new tokens per request
+    reqs: Sequence[Request],
+) -> list[list[TopLogprobs] | None]:
+    """Per request that asks (``top_logprobs`` > 0), its most likely tokens at each new token's
+    node under the distribution the token was drawn from (tokens it filters out left out)."""
+    asking = [b for b, req in enumerate(reqs) if req.params.top_logprobs]
+    found: list[list[TopLogprobs] | None] = [None] * len(reqs)
+    if not asking:
+        return found
+    k = min(max(reqs[b].params.top_logprobs for b in asking), processed.shape[1])
+    picked = rows[asking]  # [M, A]
+    values, ids = torch.topk(processed[picked], k, dim=-1)  # [M, A, k] most likely first
+    values = values - lse[picked][..., None]
+    values_host, ids_host = values.tolist(), ids.tolist()  # a second read, only when asked
+    for m, b in enumerate(asking):
+        n, tops = reqs[b].params.top_logprobs, []
+        for ids_j, values_j in zip(ids_host[m][: lens[b]], values_host[m][: lens[b]], strict=True):
+            kept = [(t, v) for t, v in zip(ids_j[:n], values_j[:n], strict=True) if v > -math.inf]
+            tops.append(TopLogprobs([t for t, _ in kept], [v for _, v in kept]))
+        found[b] = tops
+    return found
 
 
 def verify_rows(

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from tandem.config import EngineConfig
 from tandem.errors import InvalidRequest
 from tandem.models import DecoderLM
-from tandem.request import FinishReason, Request
+from tandem.request import FinishReason, Request, TopLogprobs
 from tandem.sampling import SamplingParams, make_generator
 from tandem.spec.base import Drafter
 from tandem.spec.simulate import AcceptSimulator
@@ -61,6 +61,7 @@ class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]  # generated ids only
     logprobs: list[float]  # target log-probability of each generated token
+    top_logprobs: list[TopLogprobs]  # per generated token where params.top_logprobs asked
     finish_reason: FinishReason
     num_preemptions: int
     stats: SpecStats
@@ -345,6 +346,7 @@ class Engine:
             prompt_ids=req.prompt_ids,
             token_ids=list(req.output_ids),
             logprobs=list(req.output_logprobs),
+            top_logprobs=list(req.output_top_logprobs),
             finish_reason=req.finish_reason,
             num_preemptions=req.num_preemptions,
             stats=req.stats,

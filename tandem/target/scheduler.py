@@ -12,11 +12,12 @@ the front of the queue; it is recomputed later, so nothing is lost.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.errors import InvalidRequest, NotFound
 from tandem.kv import PageAllocator
-from tandem.request import FinishReason, Request, RequestOutput, RequestStatus
+from tandem.request import FinishReason, Request, RequestOutput, RequestStatus, TopLogprobs
 from tandem.spec.types import NoTree
 
 
@@ -186,17 +187,24 @@ class Scheduler:
         batch: ScheduledBatch,
         new_tokens: list[list[int]],
         new_logprobs: list[list[float]],
+        new_top_logprobs: Sequence[list[TopLogprobs] | None] = (),
     ) -> list[RequestOutput]:
-        """Appends each request's committed tokens up to the first that finishes it (later ones
-        are dropped) and finishes requests that stop. KV progress is the caller's."""
+        """Appends each request's committed tokens (and, where given, their top log-probabilities)
+        up to the first that finishes it (later ones are dropped) and finishes requests that
+        stop. KV progress is the caller's."""
         outputs = []
-        for req, tokens, logprobs in zip(batch.requests, new_tokens, new_logprobs, strict=True):
+        tops = new_top_logprobs or [None] * len(new_tokens)
+        for req, tokens, logprobs, top in zip(
+            batch.requests, new_tokens, new_logprobs, tops, strict=True
+        ):
             if not tokens:
                 continue  # a prompt chunk that does not end the prompt
             kept = 0
             for token, logprob in zip(tokens, logprobs, strict=True):
                 req.output_ids.append(token)
                 req.output_logprobs.append(logprob)
+                if top is not None:
+                    req.output_top_logprobs.append(top[kept])
                 kept += 1
                 reason = self._finish_reason(req, token)
                 if reason is not None:
@@ -207,6 +215,7 @@ class Scheduler:
                     request_id=req.request_id,
                     new_token_ids=tokens[:kept],
                     new_logprobs=logprobs[:kept],
+                    new_top_logprobs=top[:kept] if top is not None else [],
                     finished=req.finished,
                     finish_reason=req.finish_reason,
                 )

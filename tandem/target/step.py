@@ -68,6 +68,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
                 request_id=out.request_id,
                 new_token_ids=seen.new_token_ids + out.new_token_ids,
                 new_logprobs=seen.new_logprobs + out.new_logprobs,
+                new_top_logprobs=seen.new_top_logprobs + out.new_top_logprobs,
                 finished=out.finished,
                 finish_reason=out.finish_reason,
             )

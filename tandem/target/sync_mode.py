@@ -95,6 +95,7 @@ class SyncMode(StepMode):
             batch,
             [v.new_tokens if v else [] for v in verified],
             [v.logprobs if v else [] for v in verified],
+            [v.top_logprobs if v else None for v in verified],
         )
         if exchange is not None:
             exchange.submit(

@@ -76,6 +76,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         min_tokens=params.min_tokens,
         logit_bias=dict(params.logit_bias),
+        top_logprobs=params.top_logprobs,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -113,6 +114,7 @@ def sampling_from_proto(
             frequency_penalty=msg.frequency_penalty,
             min_tokens=msg.min_tokens,
             logit_bias=tuple(msg.logit_bias.items()),
+            top_logprobs=msg.top_logprobs,
         )
     except InvalidRequest as exc:
         raise InvalidRequest(_field(field, exc.field), exc.reason) from None

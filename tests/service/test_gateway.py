@@ -268,6 +268,26 @@ def test_against_the_real_target_service(tmp_path: Path) -> None:
                 assert described.spec_policy == common_pb2.SPEC_POLICY_UNSPECIFIED
                 assert (described.max_running, described.max_queue) == (64, 256)
                 assert gateway.client.num_connects == 1  # the stop abort kept the stream up
+
+                # Top log-probabilities only where asked: one list per token, the greedy
+                # choice first with the token's own log-probability.
+                sampling = common_pb2.SamplingParams(
+                    temperature=0.0, max_new_tokens=8, ignore_eos=True, logprobs=True
+                )
+                request = gateway_pb2.GenerateRequest(text="w5 w6 w7", sampling=sampling)
+                chunks, _ = await generate(stub, request)
+                assert all(not c.top_logprobs for c in chunks)
+                request.sampling.top_logprobs = 3
+                chunks, _ = await generate(stub, request)
+                assert [t for c in chunks for t in c.token_ids] == ids
+                for c in chunks:
+                    assert len(c.top_logprobs) == len(c.token_ids)
+                    for token, logprob, top in zip(
+                        c.token_ids, c.logprobs, c.top_logprobs, strict=True
+                    ):
+                        assert len(top.token_ids) == 3 and top.token_ids[0] == token
+                        assert top.logprobs[0] == pytest.approx(logprob, abs=1e-5)
+                        assert list(top.logprobs) == sorted(top.logprobs, reverse=True)
         finally:
             await gateway.stop(0)
             loop.stop()

@@ -7,13 +7,16 @@ min_tokens decides where outputs end."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from tandem.errors import InvalidRequest
+from tandem.request import TopLogprobs
 from tandem.sampling import SamplingParams
 from tandem.spec.types import SpecConfig
 from tests.checkpoints import load_hf
@@ -141,3 +144,67 @@ def test_out_of_range_features_are_refused(field: str, kwargs: dict[str, object]
     with pytest.raises(InvalidRequest) as caught:
         SamplingParams(**kwargs)  # type: ignore[arg-type]
     assert caught.value.field == field
+
+
+def hf_top_logprobs(target: Path, prompt: list[int], new: int, n: int) -> tuple[list[int], Any]:
+    """transformers' greedy tokens and, per token, the n most likely under log_softmax."""
+    hf = load_hf(target)
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=new,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tops = [torch.log_softmax(step[0].float(), dim=-1).topk(n) for step in out.logits]
+    return out.sequences[0, len(prompt) :].tolist(), tops
+
+
+def assert_same_tops(ours: list[TopLogprobs], ref: list[Any], n: int) -> None:
+    assert len(ours) == len(ref)
+    for top, want in zip(ours, ref, strict=True):
+        assert top.token_ids == want.indices.tolist()[:n]
+        torch.testing.assert_close(torch.tensor(top.logprobs), want.values[:n], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", [None, "eagle3", "mtp-chain"])
+def test_top_logprobs_are_transformers_and_survive_speculation(
+    ckpts: Checkpoints, kind: str | None
+) -> None:
+    prompts = ragged_prompts()
+    params = [
+        SamplingParams(max_new_tokens=12, ignore_eos=True, top_logprobs=n) for n in (5, 0, 1, 20)
+    ]
+    spec = (
+        None
+        if kind is None
+        else SpecConfig(
+            num_steps=3,
+            topk=4 if kind == "eagle3" else 1,
+            num_draft_tokens=8 if kind == "eagle3" else 4,
+        )
+    )
+    results = ckpts.engine(kind, spec).generate(prompts, params)
+    for prompt, p, r in zip(prompts, params, results, strict=True):
+        tokens, tops = hf_top_logprobs(ckpts.target, prompt, 12, max(p.top_logprobs, 1))
+        assert r.token_ids == tokens
+        if p.top_logprobs:
+            assert_same_tops(r.top_logprobs, tops, p.top_logprobs)
+            assert [t.token_ids[0] for t in r.top_logprobs] == tokens
+        else:
+            assert r.top_logprobs == []
+
+
+def test_top_logprobs_leave_out_what_the_filters_exclude(ckpts: Checkpoints) -> None:
+    params = SamplingParams(temperature=1.0, top_k=2, seed=4, max_new_tokens=6, top_logprobs=5)
+    (result,) = ckpts.engine(None, None).generate([[5, 6, 7]], [params])
+    assert len(result.top_logprobs) == 6
+    for token, top in zip(result.token_ids, result.top_logprobs, strict=True):
+        assert 1 <= len(top.token_ids) <= 2 and token in top.token_ids
+        # What the filter keeps is the whole distribution.
+        assert sum(math.exp(v) for v in top.logprobs) == pytest.approx(1.0, abs=1e-4)

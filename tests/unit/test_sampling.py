@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tandem.errors import InvalidRequest
+from tandem.penalties import apply_repetition_penalty
 from tandem.sampling import (
     SamplingBatch,
     SamplingParams,
-    apply_repetition_penalty,
     invalid_rows,
     make_generator,
     process_logits,

@@ -14,9 +14,9 @@ from transformers import (
     RepetitionPenaltyLogitsProcessor,
 )
 
+from tandem.penalties import apply_repetition_penalty
 from tandem.sampling import (
     SamplingParams,
-    apply_repetition_penalty,
     probs_from_logits,
     process_logits,
 )

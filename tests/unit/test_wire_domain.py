@@ -42,6 +42,7 @@ def test_sampling_round_trip() -> None:
         frequency_penalty=1.75,
         min_tokens=3,
         logit_bias=((2, -100.0), (7, 2.5)),
+        top_logprobs=3,
     )
     msg = common_pb2.SamplingParams.FromString(wire.sampling_to_proto(params).SerializeToString())
     assert wire.sampling_from_proto(msg, default_max_new_tokens=1) == params
@@ -71,6 +72,7 @@ def test_sampling_defaults_of_unset_fields() -> None:
         ({"frequency_penalty": float("inf")}, "frequency_penalty"),
         ({"min_tokens": 9}, "min_tokens"),
         ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_sampling_validation(fields: dict[str, object], field: str) -> None:
