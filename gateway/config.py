@@ -70,6 +70,13 @@ class GatewayConfig:
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     target_tls: ClientTLS | None = None  # TLS (mTLS with cert/key) to the target; None = plain
     metrics_port: int | None = setting(None, like=METRICS_PORT)  # None: no /metrics
+    smg_port: int | None = setting(
+        None,
+        help="also serve the SMG router's gRPC worker protocol (sglang.grpc.scheduler) on this "
+        "port, for `smg launch --worker-urls grpc://HOST:PORT` (0: any free port)",
+        env="SMG_PORT",
+        shown_default="off",
+    )
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
@@ -86,6 +93,8 @@ class GatewayConfig:
             raise ValueError("host: must not be empty")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a port number")
+        if self.smg_port is not None and not 0 <= self.smg_port < 65536:
+            raise ValueError(f"smg_port: {self.smg_port} is not a port number")
         if self.max_running < 1:
             raise ValueError(f"max_running: must be >= 1, got {self.max_running}")
         if self.max_queue < 0:

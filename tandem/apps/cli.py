@@ -274,6 +274,13 @@ def serve(
     ] = None,
     target_port: Annotated[int, typer.Option(help="Target service port.")] = 50052,
     draft_port: Annotated[int, typer.Option(help="Draft service port.")] = 50053,
+    smg_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Also serve the SMG router's gRPC worker protocol on this port, for "
+            "`smg launch --worker-urls grpc://HOST:PORT` (docs/client.md) [default: off]."
+        ),
+    ] = None,
     log_dir: Annotated[
         Path | None,
         typer.Option(help="Each service's log goes here (default: a new temporary directory)."),
@@ -328,6 +335,7 @@ def serve(
         two_lane_batch=settings["two_lane_batch"],
         gateway_env={"TANDEM_GATEWAY_FAILOVER_WAIT": str(settings["failover_wait"])},
         gateway_host=gateway_host,
+        extra_gateway_args=() if smg_port is None else ("--smg-port", str(smg_port)),
     )
     if log_dir is None:  # a start-up error is then one line naming its log, not a traceback
         log_dir = Path(tempfile.mkdtemp(prefix="tandem-serve-"))
@@ -347,6 +355,8 @@ def serve(
                 on_ready=lambda s: err.print(f"[green]ready[/green] {s.name} on port {s.port}"),
             )
         host = resolve_gateway_host(gateway_host)
+        if smg_port is not None:
+            err.print(f"SMG worker protocol on {host}:{smg_port}")
         err.print(f"[bold]serving[/bold] on {host}:{gateway_port} (Ctrl-C stops)")
         supervisor = Supervisor(
             stack, policy, log_dir=log_dir, report=lambda line: typer.echo(line, err=True)
