@@ -16,6 +16,7 @@ from tandem.settings import (
     LOG_LEVEL,
     PORT,
     REFLECTION,
+    SMG_PORT,
     TWO_LANE_BATCH,
     setting,
 )
@@ -70,13 +71,7 @@ class GatewayConfig:
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     target_tls: ClientTLS | None = None  # TLS (mTLS with cert/key) to the target; None = plain
     metrics_port: int | None = setting(None, like=METRICS_PORT)  # None: no /metrics
-    smg_port: int | None = setting(
-        None,
-        help="also serve the SMG router's gRPC worker protocol (sglang.grpc.scheduler) on this "
-        "port, for `smg launch --worker-urls grpc://HOST:PORT` (0: any free port)",
-        env="SMG_PORT",
-        shown_default="off",
-    )
+    smg_port: int | None = setting(None, like=SMG_PORT)  # None: no worker protocol
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)

@@ -364,6 +364,12 @@ TWO_LANE_BATCH = Setting(
     "verifies the other) from this many on; 0 = always one lane",
     env="TWO_LANE_BATCH",
 )
+SMG_PORT = Setting(
+    help="also serve the SMG router's gRPC worker protocol (sglang.grpc.scheduler) on this "
+    "port, for `smg launch --worker-urls grpc://HOST:PORT` (docs/client.md; 0: any free port)",
+    env="SMG_PORT",
+    shown_default="off",
+)
 FAILOVER_WAIT = Setting(
     help="seconds an in-flight request waits for a lost target to come back (then it is "
     "re-admitted with what it streamed) before it fails with UNAVAILABLE; 0 = fail at once",

@@ -23,6 +23,7 @@ from tandem.settings import (
     DRAFT_DEADLINE,
     FAILOVER_WAIT,
     LOG_LEVEL,
+    SMG_PORT,
     TWO_LANE_BATCH,
     Flags,
     Option,
@@ -262,6 +263,7 @@ def _num_layers(target: Path) -> int:
     Option.of(DRAFT_DEADLINE, "draft_deadline_s", float, 1.0),
     Option.of(TWO_LANE_BATCH, "two_lane_batch", int, 16),
     Option.of(FAILOVER_WAIT, "failover_wait_s", float, 60.0),
+    Option.of(SMG_PORT, "smg_port", int, None),
 )
 def serve(
     gateway_port: Annotated[int, typer.Option(help="Public gRPC port.")] = 50051,
@@ -274,13 +276,6 @@ def serve(
     ] = None,
     target_port: Annotated[int, typer.Option(help="Target service port.")] = 50052,
     draft_port: Annotated[int, typer.Option(help="Draft service port.")] = 50053,
-    smg_port: Annotated[
-        int | None,
-        typer.Option(
-            help="Also serve the SMG router's gRPC worker protocol on this port, for "
-            "`smg launch --worker-urls grpc://HOST:PORT` (docs/client.md) [default: off]."
-        ),
-    ] = None,
     log_dir: Annotated[
         Path | None,
         typer.Option(help="Each service's log goes here (default: a new temporary directory)."),
@@ -307,6 +302,7 @@ def serve(
     from tandem.errors import CheckpointError
 
     drafting = DRAFT.pick(settings)
+    smg_port = settings["smg_port"]
     try:
         target, draft, draft_kind, embedded = embedded_defaults(
             settings["target"], drafting["path"], drafting["kind"]

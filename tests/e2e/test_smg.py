@@ -134,9 +134,14 @@ def test_a_client_that_goes_away_frees_both_kv_pools(served: tuple[Serve, Router
         received += sum(1 for c in chunk.choices if c.text)
         if received >= 3:
             break
-    during = asyncio.run(server_info(serve.port))
-    assert during.num_running == 1
-    assert during.target_kv_usage.pages_used > 0 and during.draft_kv_usage.pages_used > 0
+    deadline = time.monotonic() + 30
+    while True:  # the draft's usage is as it last reported it: wait for its pages too
+        during = asyncio.run(server_info(serve.port))
+        assert during.num_running == 1, during
+        if during.target_kv_usage.pages_used > 0 and during.draft_kv_usage.pages_used > 0:
+            break
+        assert time.monotonic() < deadline, f"no pages in use: {during}"
+        time.sleep(0.1)
     stream.close()  # the client goes away mid-generation
     deadline = time.monotonic() + 60
     while True:
