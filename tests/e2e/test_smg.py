@@ -12,6 +12,7 @@ import re
 import time
 from collections.abc import Iterator
 
+import openai
 import pytest
 
 from tandem.apps.demo import free_port
@@ -81,6 +82,12 @@ def test_completions_equal_transformers(served: tuple[Serve, Router, int]) -> No
         assert usage is not None
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), NEW_TOKENS)
 
+        # A stop string: the text ends before it (smg 1.13 matches it at the router).
+        stop = text[len(text) // 2 :][:3]
+        stopped = api.completions.create(model=model, prompt=prompt, stop=[stop], **GREEDY)
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].text == text[: text.index(stop)]
+
 
 def test_chat_completions_use_the_template(served: tuple[Serve, Router, int]) -> None:
     from transformers import AutoTokenizer
@@ -114,6 +121,26 @@ def test_chat_completions_use_the_template(served: tuple[Serve, Router, int]) ->
         usage = chunk.usage or usage
     assert "".join(pieces) == text
     assert usage is not None and usage.completion_tokens == NEW_TOKENS
+
+    # Logprobs of the chosen tokens when asked for (top-N is refused: not supported yet).
+    scored = api.chat.completions.create(
+        model=model,
+        messages=messages,
+        logprobs=True,
+        **GREEDY,  # type: ignore[arg-type]
+    )
+    assert scored.choices[0].logprobs is not None
+    content = scored.choices[0].logprobs.content or []
+    assert len(content) == NEW_TOKENS and all(t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == text
+    with pytest.raises(openai.BadRequestError, match="top_logprobs_num"):
+        api.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            logprobs=True,
+            top_logprobs=2,
+            max_tokens=4,
+        )
 
 
 def test_a_client_that_goes_away_frees_both_kv_pools(served: tuple[Serve, Router, int]) -> None:
