@@ -138,7 +138,11 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
     health = rpc.add_health(server, [SERVICE_NAME])
     smg: WorkerService | None = None
     if config.smg_port is not None:
-        smg_server = rpc.make_server(max_message_bytes=config.max_request_bytes, interceptors=auth)
+        smg_server = rpc.make_server(
+            max_message_bytes=config.max_request_bytes,
+            interceptors=auth,
+            screens={f"/{SMG_SERVICE_NAME}/Generate": lambda data: worker.screen(data)},
+        )
         smg = WorkerService(smg_server, 0, rpc.add_health(smg_server, [SMG_SERVICE_NAME]))
 
     async def on_connection_change(connected: bool) -> None:
@@ -159,10 +163,9 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
     rpc.maybe_add_reflection(server, [SERVICE_NAME], config.reflection)
     credentials = None if config.tls is None else security.server_credentials(config.tls)
     port = rpc.bind(server, rpc.format_address(config.host, config.port), credentials)
+    worker = SmgWorkerServicer(servicer)
     if smg is not None and config.smg_port is not None:
-        sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(
-            SmgWorkerServicer(servicer), smg.server
-        )
+        sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(worker, smg.server)
         rpc.maybe_add_reflection(smg.server, [SMG_SERVICE_NAME], config.reflection)
         address = rpc.format_address(config.host, config.smg_port)
         smg.port = rpc.bind(smg.server, address, credentials)

@@ -11,6 +11,8 @@ states, disaggregation (issue 34, item 3 lifts the sampling ones).
 
 from __future__ import annotations
 
+from gateway.prompt import BYTES_PER_TOKEN
+from gateway.screen import OTHER_BYTES, field_sizes
 from tandem.errors import InvalidRequest
 from tandem.smg import sglang_scheduler_pb2 as smg_pb2
 from tandem.v1 import common_pb2, gateway_pb2
@@ -20,6 +22,28 @@ FINISH_REASONS = {  # the OpenAI-style strings GenerateComplete.finish_reason ca
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
+
+
+_TOKENIZED = smg_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["tokenized"].number
+_ID_BYTES = 6  # the most one uint32 takes unpacked: its tag and a five-byte varint
+
+
+def screen(data: bytes, *, max_model_len: int) -> None:
+    """A serialized worker GenerateRequest's sizes checked before it is parsed, as
+    ``gateway.screen`` checks a native one: the prompt's ids (and the text the router sends
+    along) by what the context holds, everything else together by ``OTHER_BYTES``."""
+    sizes = field_sizes(data)
+    if sizes is None:
+        return  # the parser refuses what is not a message
+    limit = max_model_len * (_ID_BYTES + BYTES_PER_TOKEN)
+    if sizes.get(_TOKENIZED, 0) > limit:
+        raise InvalidRequest(
+            "tokenized",
+            f"{sizes[_TOKENIZED]} bytes; the {max_model_len}-token context needs at most {limit}",
+        )
+    others = sum(size for number, size in sizes.items() if number != _TOKENIZED)
+    if others > OTHER_BYTES:
+        raise InvalidRequest("request", f"{others} bytes besides the prompt, at most {OTHER_BYTES}")
 
 
 def to_gateway(request: smg_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:

@@ -57,6 +57,11 @@ class SmgWorkerServicer(smg_grpc.SglangSchedulerServicer):
         self.started_s = time.time()
         self._tokenizer_zip: tuple[bytes, str] | None = None  # built on first ask
 
+    def screen(self, data: bytes) -> None:
+        """A Generate request's bytes, checked before they are parsed (``convert.screen``)."""
+        if (info := self.gateway.client.info) is not None:
+            convert.screen(data, max_model_len=info.max_model_len)
+
     async def Generate(
         self, request: smg_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[smg_pb2.GenerateResponse]:

@@ -298,3 +298,39 @@ def test_bearer_tokens_guard_the_worker_port(words: Path) -> None:
             assert await health_status(health, SERVICE_NAME) == SERVING
 
     run(body)
+
+
+def test_oversize_requests_are_refused_before_parsing(words: Path) -> None:
+    async def body() -> None:
+        async with worker(words) as (s, stub, _):
+            cases = {
+                "tokenized": request([5] * 2000),  # more ids than the context could hold
+                "request": request([5], stop=["w" * 40_000, "x" * 40_000]),
+                "token_ids": request([5] * MAX_MODEL_LEN),  # parsed: fills the context
+            }
+            for field, bad in cases.items():
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await collect(stub.Generate(bad))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+                assert (refused.value.details() or "").startswith(f"{field}:"), field
+            assert s.target.admits == []
+
+    run(body)
+
+
+def test_undecodable_bytes_are_invalid_argument(words: Path) -> None:
+    async def body() -> None:
+        async with worker(words) as (s, _, channel):
+            garbage = b"\x0a\xff\xff\xff\xff\x0f"  # a length past the end of the message
+            generate = channel.unary_stream(f"/{SERVICE_NAME}/Generate")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in generate(garbage):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            info = channel.unary_unary(f"/{SERVICE_NAME}/GetModelInfo")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await info(garbage)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert s.target.admits == []
+
+    run(body)
