@@ -66,9 +66,10 @@ class SmgWorkerServicer(smg_grpc.SglangSchedulerServicer):
         self, request: smg_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[smg_pb2.GenerateResponse]:
         native = convert.to_gateway(request)
-        rid = request.request_id
+        num_prompt = len(native.token_ids.ids)
+        asked = request.return_logprob  # the gateway sends logprobs only then
         output_ids: list[int] = []
-        logprobs: list[float] | None = [] if request.return_logprob else None
+        logprobs: list[float] = []
         # aclosing: a dropped router stream closes the native generator at once, which ends
         # the request at the target (GatewayServicer._close).
         generate = cast(
@@ -78,27 +79,22 @@ class SmgWorkerServicer(smg_grpc.SglangSchedulerServicer):
             async for response in responses:
                 which = response.WhichOneof("payload")
                 if which == "chunk":
-                    tokens = list(response.chunk.token_ids)
-                    new_logprobs = list(response.chunk.logprobs) if logprobs is not None else None
+                    tokens, scores = list(response.chunk.token_ids), list(response.chunk.logprobs)
                     output_ids += tokens
-                    if new_logprobs is not None and logprobs is not None:
-                        logprobs += new_logprobs
+                    logprobs += scores
                     if request.stream:
-                        yield smg_pb2.GenerateResponse(
-                            request_id=rid,
-                            chunk=convert.chunk(
-                                tokens, new_logprobs, len(native.token_ids.ids), len(output_ids)
-                            ),
+                        chunk = convert.chunk(
+                            tokens, scores if asked else None, num_prompt, len(output_ids)
                         )
+                        yield smg_pb2.GenerateResponse(request_id=request.request_id, chunk=chunk)
                 elif which == "complete":
-                    done = response.complete
-                    yield smg_pb2.GenerateResponse(
-                        request_id=rid,
-                        complete=convert.complete(done, output_ids, logprobs)
-                        if not request.stream
-                        else convert.complete(done, [], None),
-                    )
-                # an error payload is followed by the call's status (the gateway aborts it)
+                    if request.stream:  # the chunks carried the tokens
+                        done = convert.complete(response.complete, [], None)
+                    else:
+                        scored = logprobs if asked else None
+                        done = convert.complete(response.complete, output_ids, scored)
+                    yield smg_pb2.GenerateResponse(request_id=request.request_id, complete=done)
+                # An error payload is followed by the call's status: the gateway aborts it.
 
     async def Abort(
         self, request: smg_pb2.AbortRequest, context: grpc.aio.ServicerContext
