@@ -163,11 +163,11 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
     rpc.maybe_add_reflection(server, [SERVICE_NAME], config.reflection)
     credentials = None if config.tls is None else security.server_credentials(config.tls)
     port = rpc.bind(server, rpc.format_address(config.host, config.port), credentials)
-    worker = SmgWorkerServicer(servicer)
-    if smg is not None and config.smg_port is not None:
+    worker = SmgWorkerServicer(servicer)  # the screen above reads the model's length from it
+    if smg is not None:
         sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(worker, smg.server)
         rpc.maybe_add_reflection(smg.server, [SMG_SERVICE_NAME], config.reflection)
-        address = rpc.format_address(config.host, config.smg_port)
+        address = rpc.format_address(config.host, config.smg_port or 0)  # set: smg exists
         smg.port = rpc.bind(smg.server, address, credentials)
         await smg.server.start()
     await server.start()
@@ -175,6 +175,11 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
     return Gateway(
         server=server, port=port, health=health, client=client, servicer=servicer, smg=smg
     )
+
+
+async def _drain_when(stop: asyncio.Event, worker: WorkerService, grace: float) -> None:
+    await stop.wait()
+    await worker.stop(grace)
 
 
 async def main(config: GatewayConfig) -> None:
@@ -192,12 +197,19 @@ async def main(config: GatewayConfig) -> None:
         logger.info("SMG worker protocol on %s", rpc.format_address(config.host, gateway.smg.port))
     print(f"READY gateway {rpc.format_address(config.host, gateway.port)}", flush=True)
 
+    stop = asyncio.Event()  # set by SIGTERM/SIGINT (rpc.serve): both ports drain at once
+    worker_drained = None
+    if gateway.smg is not None:
+        worker_drained = asyncio.create_task(_drain_when(stop, gateway.smg, config.grace_s))
+
     async def on_shutdown() -> None:
-        if gateway.smg is not None:  # drained after the native port: same grace again at most
-            await gateway.smg.stop(config.grace_s)
+        if worker_drained is not None:
+            await worker_drained
         await gateway.client.close()
 
-    await rpc.serve(gateway.server, gateway.health, grace=config.grace_s, on_shutdown=on_shutdown)
+    await rpc.serve(
+        gateway.server, gateway.health, grace=config.grace_s, on_shutdown=on_shutdown, stop=stop
+    )
     observability.shutdown()
 
 
