@@ -2,6 +2,8 @@
 control stream and serves `GatewayService` plus gRPC health.
 
 Every flag has a ``TANDEM_GATEWAY_*`` environment default, named in its ``--help`` (flags win).
+With ``--smg-port`` it also serves the SMG router's gRPC worker protocol on that port
+(``gateway.smg``: ``smg launch --worker-urls grpc://HOST:PORT``), with its own gRPC health.
 Health is NOT_SERVING while the target is not connected (at start, and whenever the stream
 breaks until it is back); SIGTERM turns it NOT_SERVING and drains open calls for ``--grace``.
 
@@ -23,11 +25,14 @@ import grpc
 from gateway.admission import Admission
 from gateway.config import GatewayConfig, TokenSources
 from gateway.server import GatewayServicer
+from gateway.smg.server import SERVICE_NAME as SMG_SERVICE_NAME
+from gateway.smg.server import SmgWorkerServicer
 from gateway.target_client import TargetClient
 from tandem import settings
 from tandem.models.tokenizer import load_tokenizer
 from tandem.serving import rpc, security, telemetry
 from tandem.settings import Flags, SettingsParser
+from tandem.smg import sglang_scheduler_pb2_grpc
 from tandem.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger("gateway")
@@ -43,6 +48,7 @@ SERVICE = Flags(
         *("max_request_bytes", "slow_reader_timeout_s"),
         *("two_lane_batch", "reflection", "grace_s", "log_level", "metrics_port"),
         "failover_wait_s",
+        "smg_port",
     ),
     env_prefix=ENV,
 )
@@ -84,18 +90,36 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
 
 
 @dataclass
+class WorkerService:
+    """The SMG worker protocol's server (``--smg-port``), listening on ``port``."""
+
+    server: grpc.aio.Server
+    port: int
+    health: rpc.Health
+
+    async def stop(self, grace: float | None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+@dataclass
 class Gateway:
-    """A started gateway: its server (listening on `port`), health and target client."""
+    """A started gateway: its server (listening on `port`), health and target client, and the
+    SMG worker service when asked for."""
 
     server: grpc.aio.Server
     port: int
     health: rpc.Health
     client: TargetClient
     servicer: GatewayServicer
+    smg: WorkerService | None = None
 
     async def stop(self, grace: float | None = None) -> None:
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        if self.smg is not None:
+            await asyncio.gather(self.server.stop(grace), self.smg.stop(grace))
+        else:
+            await self.server.stop(grace)
         await self.client.close()
         self.servicer.prompts.close()
 
@@ -112,9 +136,19 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
         screens={f"/{SERVICE_NAME}/Generate": lambda data: servicer.screen(data)},
     )
     health = rpc.add_health(server, [SERVICE_NAME])
+    smg: WorkerService | None = None
+    if config.smg_port is not None:
+        smg_server = rpc.make_server(
+            max_message_bytes=config.max_request_bytes,
+            interceptors=auth,
+            screens={f"/{SMG_SERVICE_NAME}/Generate": lambda data: worker.screen(data)},
+        )
+        smg = WorkerService(smg_server, 0, rpc.add_health(smg_server, [SMG_SERVICE_NAME]))
 
     async def on_connection_change(connected: bool) -> None:
         await health.set_serving(connected)
+        if smg is not None:
+            await smg.health.set_serving(connected)
 
     client = TargetClient(
         config.target_addr,
@@ -129,9 +163,23 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any | None = None) -> 
     rpc.maybe_add_reflection(server, [SERVICE_NAME], config.reflection)
     credentials = None if config.tls is None else security.server_credentials(config.tls)
     port = rpc.bind(server, rpc.format_address(config.host, config.port), credentials)
+    worker = SmgWorkerServicer(servicer)  # the screen above reads the model's length from it
+    if smg is not None:
+        sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(worker, smg.server)
+        rpc.maybe_add_reflection(smg.server, [SMG_SERVICE_NAME], config.reflection)
+        address = rpc.format_address(config.host, config.smg_port or 0)  # set: smg exists
+        smg.port = rpc.bind(smg.server, address, credentials)
+        await smg.server.start()
     await server.start()
     await client.start()
-    return Gateway(server=server, port=port, health=health, client=client, servicer=servicer)
+    return Gateway(
+        server=server, port=port, health=health, client=client, servicer=servicer, smg=smg
+    )
+
+
+async def _drain_when(stop: asyncio.Event, worker: WorkerService, grace: float) -> None:
+    await stop.wait()
+    await worker.stop(grace)
 
 
 async def main(config: GatewayConfig) -> None:
@@ -145,9 +193,22 @@ async def main(config: GatewayConfig) -> None:
         rpc.format_address(config.host, gateway.port),
         config.target_addr,
     )
+    if gateway.smg is not None:
+        logger.info("SMG worker protocol on %s", rpc.format_address(config.host, gateway.smg.port))
     print(f"READY gateway {rpc.format_address(config.host, gateway.port)}", flush=True)
+
+    stop = asyncio.Event()  # set by SIGTERM/SIGINT (rpc.serve): both ports drain at once
+    worker_drained = None
+    if gateway.smg is not None:
+        worker_drained = asyncio.create_task(_drain_when(stop, gateway.smg, config.grace_s))
+
+    async def on_shutdown() -> None:
+        if worker_drained is not None:
+            await worker_drained
+        await gateway.client.close()
+
     await rpc.serve(
-        gateway.server, gateway.health, grace=config.grace_s, on_shutdown=gateway.client.close
+        gateway.server, gateway.health, grace=config.grace_s, on_shutdown=on_shutdown, stop=stop
     )
     observability.shutdown()
 

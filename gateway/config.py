@@ -16,6 +16,7 @@ from tandem.settings import (
     LOG_LEVEL,
     PORT,
     REFLECTION,
+    SMG_PORT,
     TWO_LANE_BATCH,
     setting,
 )
@@ -70,6 +71,7 @@ class GatewayConfig:
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     target_tls: ClientTLS | None = None  # TLS (mTLS with cert/key) to the target; None = plain
     metrics_port: int | None = setting(None, like=METRICS_PORT)  # None: no /metrics
+    smg_port: int | None = setting(None, like=SMG_PORT)  # None: no worker protocol
 
     def __post_init__(self) -> None:
         check_metrics_port(self.metrics_port)
@@ -86,6 +88,8 @@ class GatewayConfig:
             raise ValueError("host: must not be empty")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: {self.port} is not a port number")
+        if self.smg_port is not None and not 0 <= self.smg_port < 65536:
+            raise ValueError(f"smg_port: {self.smg_port} is not a port number")
         if self.max_running < 1:
             raise ValueError(f"max_running: must be >= 1, got {self.max_running}")
         if self.max_queue < 0:

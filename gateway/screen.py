@@ -34,7 +34,7 @@ _TOKEN_IDS = gateway_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["token_ids"].
 def screen_generate(data: bytes, *, max_model_len: int, bytes_per_token: int) -> None:
     """Raises InvalidRequest when a serialized GenerateRequest's fields are larger than any
     request the model could serve; returns without a verdict on malformed bytes."""
-    sizes = _field_sizes(data)
+    sizes = field_sizes(data)
     if sizes is None:
         return
     text_limit = max_model_len * bytes_per_token
@@ -58,7 +58,7 @@ def screen_generate(data: bytes, *, max_model_len: int, bytes_per_token: int) ->
         )
 
 
-def _field_sizes(data: bytes) -> dict[int, int] | None:
+def field_sizes(data: bytes) -> dict[int, int] | None:
     """Bytes per top-level field number (a length-delimited field's contents, any other
     field's tag and value); None if the bytes are malformed."""
     sizes: dict[int, int] = {}

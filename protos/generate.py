@@ -1,8 +1,10 @@
-"""Regenerate the checked-in protobuf/gRPC stubs of `protos/tandem/v1/*.proto` into `tandem/v1/`.
+"""Regenerate the checked-in protobuf/gRPC stubs of `protos/tandem/*/*.proto` into `tandem/*/`.
 
-The one way stubs are made (CONTRIBUTING.md, "Protos"):
+Two packages: `tandem/v1` (Tandem's own contract) and `tandem/smg` (the SMG router's worker
+protocol, vendored from smg-grpc-proto; its version is in the files' headers). The one way stubs
+are made (CONTRIBUTING.md, "Protos"):
 
-    python protos/generate.py           # rewrite tandem/v1/*_pb2{.py,.pyi,_grpc.py}
+    python protos/generate.py           # rewrite tandem/{v1,smg}/*_pb2{.py,.pyi,_grpc.py}
     python protos/generate.py --check   # exit 1, listing files, if the checked-in stubs differ
 
 It runs `python -m grpc_tools.protoc -Iprotos --python_out --pyi_out --grpc_python_out` from
@@ -26,7 +28,7 @@ from pathlib import Path
 REQUIRED_GRPCIO_TOOLS = "1.84.0"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "protos"
-PACKAGE_DIR = Path("tandem") / "v1"
+PACKAGE_DIRS = (Path("tandem") / "v1", Path("tandem") / "smg")
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 
@@ -50,9 +52,12 @@ def check_grpcio_tools_version() -> None:
 
 def proto_files() -> list[Path]:
     """The .proto sources, relative to the repository root, in a stable order."""
-    files = sorted(p.relative_to(REPO_ROOT) for p in (PROTO_ROOT / PACKAGE_DIR).glob("*.proto"))
-    if not files:
-        raise GeneratorError(f"no .proto files under {PROTO_ROOT / PACKAGE_DIR}")
+    files: list[Path] = []
+    for package in PACKAGE_DIRS:
+        found = sorted(p.relative_to(REPO_ROOT) for p in (PROTO_ROOT / package).glob("*.proto"))
+        if not found:
+            raise GeneratorError(f"no .proto files under {PROTO_ROOT / package}")
+        files += found
     return files
 
 
@@ -121,23 +126,26 @@ def main(argv: list[str] | None = None) -> int:
         check_grpcio_tools_version()
         with tempfile.TemporaryDirectory(prefix="tandem-protos-") as tmp:
             run_protoc(Path(tmp))
-            fresh_dir = Path(tmp) / PACKAGE_DIR
-            checked_in_dir = REPO_ROOT / PACKAGE_DIR
             if args.check:
-                differing = diff_stubs(fresh_dir, checked_in_dir)
+                differing = [
+                    package / name
+                    for package in PACKAGE_DIRS
+                    for name in diff_stubs(Path(tmp) / package, REPO_ROOT / package)
+                ]
                 if differing:
                     print("stubs out of date; run `python protos/generate.py`:", file=sys.stderr)
-                    for name in differing:
-                        print(f"  {PACKAGE_DIR / name}", file=sys.stderr)
+                    for path in differing:
+                        print(f"  {path}", file=sys.stderr)
                     return 1
-                print(f"stubs in {PACKAGE_DIR} are up to date")
+                print(f"stubs in {', '.join(map(str, PACKAGE_DIRS))} are up to date")
                 return 0
-            changed = write_stubs(fresh_dir, checked_in_dir)
+            changed = {p: write_stubs(Path(tmp) / p, REPO_ROOT / p) for p in PACKAGE_DIRS}
     except GeneratorError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"generated {len(generated_names(checked_in_dir))} files in {PACKAGE_DIR}", end="")
-    print(f" ({len(changed)} changed)" if changed else " (no changes)")
+    for package, names in changed.items():
+        print(f"generated {len(generated_names(REPO_ROOT / package))} files in {package}", end="")
+        print(f" ({len(names)} changed)" if names else " (no changes)")
     return 0
 
 

@@ -370,6 +370,12 @@ SERVED_MODEL_NAME = Setting(
     env="SERVED_MODEL_NAME",
     shown_default="the checkpoint directory's name; its family's for the embedded model",
 )
+SMG_PORT = Setting(
+    help="also serve the SMG router's gRPC worker protocol (sglang.grpc.scheduler) on this "
+    "port, for `smg launch --worker-urls grpc://HOST:PORT` (docs/client.md; 0: any free port)",
+    env="SMG_PORT",
+    shown_default="off",
+)
 FAILOVER_WAIT = Setting(
     help="seconds an in-flight request waits for a lost target to come back (then it is "
     "re-admitted with what it streamed) before it fails with UNAVAILABLE; 0 = fail at once",

@@ -23,6 +23,7 @@ from tandem.settings import (
     DRAFT_DEADLINE,
     FAILOVER_WAIT,
     LOG_LEVEL,
+    SMG_PORT,
     TWO_LANE_BATCH,
     Flags,
     Option,
@@ -301,6 +302,7 @@ def _num_layers(target: Path) -> int:
     Option.of(DRAFT_DEADLINE, "draft_deadline_s", float, 1.0),
     Option.of(TWO_LANE_BATCH, "two_lane_batch", int, 16),
     Option.of(FAILOVER_WAIT, "failover_wait_s", float, 60.0),
+    Option.of(SMG_PORT, "smg_port", int, None),
 )
 def serve(
     gateway_port: Annotated[int, typer.Option(help="Public gRPC port.")] = 50051,
@@ -339,6 +341,7 @@ def serve(
     from tandem.errors import CheckpointError
 
     drafting = DRAFT.pick(settings)
+    smg_port = settings["smg_port"]
     try:
         target, draft, draft_kind, embedded = embedded_defaults(
             settings["target"], drafting["path"], drafting["kind"]
@@ -367,6 +370,7 @@ def serve(
         two_lane_batch=settings["two_lane_batch"],
         gateway_env={"TANDEM_GATEWAY_FAILOVER_WAIT": str(settings["failover_wait"])},
         gateway_host=gateway_host,
+        extra_gateway_args=() if smg_port is None else ("--smg-port", str(smg_port)),
     )
     if log_dir is None:  # a start-up error is then one line naming its log, not a traceback
         log_dir = Path(tempfile.mkdtemp(prefix="tandem-serve-"))
@@ -386,6 +390,8 @@ def serve(
                 on_ready=lambda s: err.print(f"[green]ready[/green] {s.name} on port {s.port}"),
             )
         host = resolve_gateway_host(gateway_host)
+        if smg_port is not None:
+            err.print(f"SMG worker protocol on {host}:{smg_port}")
         err.print(f"[bold]serving[/bold] on {host}:{gateway_port} (Ctrl-C stops)")
         supervisor = Supervisor(
             stack, policy, log_dir=log_dir, report=lambda line: typer.echo(line, err=True)

@@ -3,7 +3,10 @@
 Saved as a Hugging Face fast tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) that
 ``AutoTokenizer.from_pretrained`` loads with ``<s>`` prepended to every encoding (the documents
 it was trained on start with it too), ``</s>`` as EOS and ``<pad>`` as id 0. Byte-level: every
-string encodes and ``decode(encode(text)) == text`` exactly (no cleanup of spaces).
+string encodes and ``decode(encode(text)) == text`` exactly (no cleanup of spaces). It carries a
+plain chat template (``chat_template.jinja``: ``<s>``, then ``### role`` and the content per
+message) so chat front ends, the SMG router's among them, can serve it; the model never saw a
+conversation, it continues the text as code.
 """
 
 from __future__ import annotations
@@ -14,6 +17,11 @@ from typing import Any
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '### ' + message['role'] + '\\n' + message['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### assistant\\n' }}{% endif %}"
+)
 
 
 def train_tokenizer(texts: Iterable[str], *, vocab_size: int, model_max_length: int = 2048) -> Any:
@@ -44,6 +52,7 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int, model_max_length: 
         pad_token="<pad>",
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

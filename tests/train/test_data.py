@@ -20,7 +20,7 @@ from tandem.train.corpus import (
 )
 from tandem.train.loop import LoopSettings, run
 from tandem.train.prompts import cut_prompts
-from tandem.train.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
+from tandem.train.tokenizer import BOS_ID, CHAT_TEMPLATE, EOS_ID, PAD_ID, train_tokenizer
 
 CODE = '''def add(a, b):
     """Adds."""
@@ -118,6 +118,14 @@ def test_tokenizer_is_deterministic_and_loads_in_transformers(tmp_path: Path) ->
         assert ids[0] == BOS_ID
         assert tok.decode(ids, skip_special_tokens=True) == text  # byte-level: exact
     assert len(tok(CODE)["input_ids"]) < len(CODE) / 2  # merges learned from the corpus
+    # The chat template travels as chat_template.jinja, as shipped with the reference family.
+    assert (tmp_path / "a" / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    shipped = Path(__file__).resolve().parents[2] / "checkpoints" / "tandem-code-ref"
+    for kind in ("target", "model"):
+        assert (shipped / kind / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    chat = [{"role": "user", "content": "def f():"}]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text == "<s>### user\ndef f():\n### assistant\n"
 
 
 def test_encode_and_pack_blocks() -> None:

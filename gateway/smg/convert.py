@@ -1,0 +1,141 @@
+"""The SMG worker protocol's messages <-> the gateway's (``gateway.smg.server`` serves them).
+
+A worker request arrives tokenized (the router applies the chat template and tokenizes): it
+becomes a native ``GenerateRequest`` with token ids, so it takes the native request path with
+everything on it (admission, lanes, stop strings, failover, abort on disconnect). What Tandem
+cannot honour yet is refused with INVALID_ARGUMENT naming the field, never silently ignored:
+penalties other than repetition, ``min_new_tokens``, ``logit_bias``, ``n`` > 1, top-N and
+per-token-id logprobs, constrained decoding, multimodal and embedding inputs, LoRA, hidden
+states, disaggregation (issue 34, item 3 lifts the sampling ones).
+"""
+
+from __future__ import annotations
+
+from gateway.prompt import BYTES_PER_TOKEN
+from gateway.screen import OTHER_BYTES, field_sizes
+from tandem.errors import InvalidRequest
+from tandem.smg import sglang_scheduler_pb2 as smg_pb2
+from tandem.v1 import common_pb2, gateway_pb2
+
+FINISH_REASONS = {  # the OpenAI-style strings GenerateComplete.finish_reason carries
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+_TOKENIZED = smg_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["tokenized"].number
+_ID_BYTES = 6  # the most one uint32 takes unpacked: its tag and a five-byte varint
+
+
+def screen(data: bytes, *, max_model_len: int) -> None:
+    """A serialized worker GenerateRequest's sizes checked before it is parsed, as
+    ``gateway.screen`` checks a native one: the prompt's ids (and the text the router sends
+    along) by what the context holds, everything else together by ``OTHER_BYTES``."""
+    sizes = field_sizes(data)
+    if sizes is None:
+        return  # the parser refuses what is not a message
+    limit = max_model_len * (_ID_BYTES + BYTES_PER_TOKEN)
+    if sizes.get(_TOKENIZED, 0) > limit:
+        raise InvalidRequest(
+            "tokenized",
+            f"{sizes[_TOKENIZED]} bytes; the {max_model_len}-token context needs at most {limit}",
+        )
+    others = sum(size for number, size in sizes.items() if number != _TOKENIZED)
+    if others > OTHER_BYTES:
+        raise InvalidRequest("request", f"{others} bytes besides the prompt, at most {OTHER_BYTES}")
+
+
+def to_gateway(request: smg_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
+    """The native request for a worker request; InvalidRequest names an unsupported field."""
+    _refuse_unsupported(request)
+    if not request.request_id:
+        raise InvalidRequest("request_id", "must not be empty")
+    params = request.sampling_params
+    sampling = common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=max(params.top_k, 0),  # SGLang's -1 and Tandem's 0 both mean no filter
+        min_p=params.min_p,
+        stop_token_ids=params.stop_token_ids,
+        stop_strings=params.stop,
+        ignore_eos=params.ignore_eos,
+        logprobs=request.return_logprob,
+    )
+    if params.top_p:  # proto3's 0 is "not given" here: the router always sends a value
+        sampling.top_p = params.top_p
+    if params.repetition_penalty:
+        sampling.repetition_penalty = params.repetition_penalty
+    if params.HasField("max_new_tokens"):
+        sampling.max_new_tokens = params.max_new_tokens
+    return gateway_pb2.GenerateRequest(
+        request_id=request.request_id,
+        token_ids=gateway_pb2.TokenIds(ids=request.tokenized.input_ids),
+        sampling=sampling,
+        # The router detokenizes; text is made here only to match stop strings.
+        stream_options=gateway_pb2.StreamOptions(
+            detokenize=False, skip_special_tokens=params.skip_special_tokens
+        ),
+    )
+
+
+def _refuse_unsupported(request: smg_pb2.GenerateRequest) -> None:
+    params = request.sampling_params
+    unsupported = {
+        "sampling_params.frequency_penalty": params.frequency_penalty != 0,
+        "sampling_params.presence_penalty": params.presence_penalty != 0,
+        "sampling_params.min_new_tokens": params.min_new_tokens > 0,
+        "sampling_params.logit_bias": bool(params.logit_bias),
+        "sampling_params.n": params.n > 1,
+        "sampling_params.constraint": params.WhichOneof("constraint") is not None,
+        "top_logprobs_num": request.top_logprobs_num > 0,
+        "token_ids_logprob": bool(request.token_ids_logprob),
+        "return_hidden_states": request.return_hidden_states,
+        "mm_inputs": request.HasField("mm_inputs"),
+        "input_embeds": bool(request.input_embeds),
+        "lora_id": bool(request.lora_id),
+        "disaggregated_params": request.HasField("disaggregated_params"),
+        "custom_logit_processor": bool(request.custom_logit_processor),
+    }
+    for field, given in unsupported.items():
+        if given:
+            raise InvalidRequest(field, "is not supported by Tandem")
+    if not request.HasField("tokenized"):
+        raise InvalidRequest("tokenized", "the prompt's token ids are required")
+
+
+def chunk(
+    token_ids: list[int], logprobs: list[float] | None, prompt_tokens: int, completion_tokens: int
+) -> smg_pb2.GenerateStreamChunk:
+    """A streamed chunk: its new tokens (and their logprobs when asked) and cumulative counts."""
+    out = smg_pb2.GenerateStreamChunk(
+        token_ids=token_ids, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+    )
+    if logprobs is not None:
+        out.output_logprobs.token_logprobs.extend(logprobs)
+        out.output_logprobs.token_ids.extend(token_ids)
+    return out
+
+
+def complete(
+    done: gateway_pb2.GenerateComplete,
+    output_ids: list[int],
+    logprobs: list[float] | None,
+) -> smg_pb2.GenerateComplete:
+    """The final message. ``output_ids``: every token for an unstreamed request, none for a
+    streamed one (its chunks carried them). Speculation shows only in the acceptance counts."""
+    out = smg_pb2.GenerateComplete(
+        output_ids=output_ids,
+        finish_reason=FINISH_REASONS.get(done.finish_reason, "abort"),
+        prompt_tokens=done.usage.prompt_tokens,
+        completion_tokens=done.usage.completion_tokens,
+        spec_accepted_tokens=done.usage.accepted_tokens,
+        spec_draft_tokens=done.usage.draft_tokens,
+    )
+    if done.HasField("stop_token_id"):
+        out.matched_token_id = done.stop_token_id
+    elif done.HasField("stop_string"):
+        out.matched_stop_str = done.stop_string
+    if logprobs is not None:
+        out.output_logprobs.token_logprobs.extend(logprobs)
+        out.output_logprobs.token_ids.extend(output_ids)
+    return out
