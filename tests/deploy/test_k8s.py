@@ -128,7 +128,9 @@ def test_the_router_reaches_every_replica(built: tuple[str, list[dict[str, Any]]
     replicas = named(objects, "StatefulSet", "tandem")["spec"]
     headless = named(objects, "Service", replicas["serviceName"])["spec"]
     assert headless["clusterIP"] == "None"
-    port = parse(by_name(objects)["gateway"]["command"])[1].port
+    gateway = by_name(objects)["gateway"]
+    port = parse(gateway["command"])[1].smg_port
+    assert {p["name"]: p["containerPort"] for p in gateway["ports"]}["smg"] == port
     command = by_name(objects)["router"]["command"]
     assert command[:2] == ["smg", "launch"]
     urls = command[command.index("--worker-urls") + 1 :]
