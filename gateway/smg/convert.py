@@ -4,12 +4,14 @@ A worker request arrives tokenized (the router applies the chat template and tok
 becomes a native ``GenerateRequest`` with token ids, so it takes the native request path with
 everything on it (admission, lanes, stop strings, failover, abort on disconnect). What Tandem
 cannot honour yet is refused with INVALID_ARGUMENT naming the field, never silently ignored:
-penalties other than repetition, ``min_new_tokens``, ``logit_bias``, ``n`` > 1, top-N and
-per-token-id logprobs, constrained decoding, multimodal and embedding inputs, LoRA, hidden
-states, disaggregation (issue 34, item 3 lifts the sampling ones).
+``n`` > 1, per-token-id logprobs, constrained decoding, multimodal and embedding inputs, LoRA,
+hidden states, disaggregation. Presence and frequency penalties, ``min_new_tokens``,
+``logit_bias`` and top-N logprobs map onto the native fields.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 from gateway.prompt import BYTES_PER_TOKEN
 from gateway.screen import OTHER_BYTES, field_sizes
@@ -60,6 +62,11 @@ def to_gateway(request: smg_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
         stop_strings=params.stop,
         ignore_eos=params.ignore_eos,
         logprobs=request.return_logprob,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_tokens=params.min_new_tokens,
+        logit_bias=_logit_bias(params.logit_bias),
+        top_logprobs=request.top_logprobs_num if request.return_logprob else 0,
     )
     if params.top_p:  # proto3's 0 is "not given" here: the router always sends a value
         sampling.top_p = params.top_p
@@ -78,16 +85,22 @@ def to_gateway(request: smg_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
     )
 
 
+def _logit_bias(bias: Mapping[str, float]) -> dict[int, float]:
+    """SGLang's logit_bias (token ids as decimal strings) as the native map; the native checks
+    (range, count, vocabulary) follow at the gateway and the target."""
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit() or int(key) >= 2**32:
+            raise InvalidRequest("sampling_params.logit_bias", f"{key[:20]!r} is not a token id")
+        out[int(key)] = value
+    return out
+
+
 def _refuse_unsupported(request: smg_pb2.GenerateRequest) -> None:
     params = request.sampling_params
     unsupported = {
-        "sampling_params.frequency_penalty": params.frequency_penalty != 0,
-        "sampling_params.presence_penalty": params.presence_penalty != 0,
-        "sampling_params.min_new_tokens": params.min_new_tokens > 0,
-        "sampling_params.logit_bias": bool(params.logit_bias),
         "sampling_params.n": params.n > 1,
         "sampling_params.constraint": params.WhichOneof("constraint") is not None,
-        "top_logprobs_num": request.top_logprobs_num > 0,
         "token_ids_logprob": bool(request.token_ids_logprob),
         "return_hidden_states": request.return_hidden_states,
         "mm_inputs": request.HasField("mm_inputs"),
@@ -104,22 +117,39 @@ def _refuse_unsupported(request: smg_pb2.GenerateRequest) -> None:
 
 
 def chunk(
-    token_ids: list[int], logprobs: list[float] | None, prompt_tokens: int, completion_tokens: int
+    token_ids: list[int],
+    logprobs: list[float] | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    tops: Sequence[common_pb2.TopLogprobs] = (),
 ) -> smg_pb2.GenerateStreamChunk:
-    """A streamed chunk: its new tokens (and their logprobs when asked) and cumulative counts."""
+    """A streamed chunk: its new tokens (and their logprobs and top-N when asked) and
+    cumulative counts."""
     out = smg_pb2.GenerateStreamChunk(
         token_ids=token_ids, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
     )
     if logprobs is not None:
-        out.output_logprobs.token_logprobs.extend(logprobs)
-        out.output_logprobs.token_ids.extend(token_ids)
+        _logprobs(out.output_logprobs, token_ids, logprobs, tops)
     return out
+
+
+def _logprobs(
+    into: smg_pb2.OutputLogProbs,
+    token_ids: list[int],
+    logprobs: list[float],
+    tops: Sequence[common_pb2.TopLogprobs],
+) -> None:
+    into.token_logprobs.extend(logprobs)
+    into.token_ids.extend(token_ids)
+    for top in tops:
+        into.top_logprobs.add(values=top.logprobs, token_ids=top.token_ids)
 
 
 def complete(
     done: gateway_pb2.GenerateComplete,
     output_ids: list[int],
     logprobs: list[float] | None,
+    tops: Sequence[common_pb2.TopLogprobs] = (),
 ) -> smg_pb2.GenerateComplete:
     """The final message. ``output_ids``: every token for an unstreamed request, none for a
     streamed one (its chunks carried them). Speculation shows only in the acceptance counts."""
@@ -136,6 +166,5 @@ def complete(
     elif done.HasField("stop_string"):
         out.matched_stop_str = done.stop_string
     if logprobs is not None:
-        out.output_logprobs.token_logprobs.extend(logprobs)
-        out.output_logprobs.token_ids.extend(output_ids)
+        _logprobs(out.output_logprobs, output_ids, logprobs, tops)
     return out

@@ -70,6 +70,7 @@ class SmgWorkerServicer(smg_grpc.SglangSchedulerServicer):
         asked = request.return_logprob  # the gateway sends logprobs only then
         output_ids: list[int] = []
         logprobs: list[float] = []
+        tops: list[common_pb2.TopLogprobs] = []
         # aclosing: a dropped router stream closes the native generator at once, which ends
         # the request at the target (GatewayServicer._close).
         generate = cast(
@@ -80,11 +81,13 @@ class SmgWorkerServicer(smg_grpc.SglangSchedulerServicer):
                 which = response.WhichOneof("payload")
                 if which == "chunk":
                     tokens, scores = list(response.chunk.token_ids), list(response.chunk.logprobs)
+                    top = list(response.chunk.top_logprobs)
                     output_ids += tokens
                     logprobs += scores
+                    tops += top
                     if request.stream:
                         chunk = convert.chunk(
-                            tokens, scores if asked else None, num_prompt, len(output_ids)
+                            tokens, scores if asked else None, num_prompt, len(output_ids), top
                         )
                         yield smg_pb2.GenerateResponse(request_id=request.request_id, chunk=chunk)
                 elif which == "complete":
@@ -92,7 +95,7 @@ class SmgWorkerServicer(smg_grpc.SglangSchedulerServicer):
                         done = convert.complete(response.complete, [], None)
                     else:
                         scored = logprobs if asked else None
-                        done = convert.complete(response.complete, output_ids, scored)
+                        done = convert.complete(response.complete, output_ids, scored, tops)
                     yield smg_pb2.GenerateResponse(request_id=request.request_id, complete=done)
                 # An error payload is followed by the call's status: the gateway aborts it.
 

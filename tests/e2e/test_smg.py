@@ -12,7 +12,6 @@ import re
 import time
 from collections.abc import Iterator
 
-import openai
 import pytest
 
 from tandem.apps.demo import free_port
@@ -122,7 +121,7 @@ def test_chat_completions_use_the_template(served: tuple[Serve, Router, int]) ->
     assert "".join(pieces) == text
     assert usage is not None and usage.completion_tokens == NEW_TOKENS
 
-    # Logprobs of the chosen tokens when asked for (top-N is refused: not supported yet).
+    # Logprobs of the chosen tokens when asked for, and the top-N alternatives.
     scored = api.chat.completions.create(
         model=model,
         messages=messages,
@@ -133,14 +132,22 @@ def test_chat_completions_use_the_template(served: tuple[Serve, Router, int]) ->
     content = scored.choices[0].logprobs.content or []
     assert len(content) == NEW_TOKENS and all(t.logprob <= 0 for t in content)
     assert "".join(t.token for t in content) == text
-    with pytest.raises(openai.BadRequestError, match="top_logprobs_num"):
-        api.chat.completions.create(
-            model=model,
-            messages=messages,  # type: ignore[arg-type]
-            logprobs=True,
-            top_logprobs=2,
-            max_tokens=4,
-        )
+    top = api.chat.completions.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,  # type: ignore[arg-type]
+    )
+    assert top.choices[0].message.content == text
+    alternatives = (top.choices[0].logprobs and top.choices[0].logprobs.content) or []
+    assert len(alternatives) == NEW_TOKENS
+    for token, chosen in zip(alternatives, content, strict=True):
+        assert len(token.top_logprobs) == 2
+        first, second = token.top_logprobs  # greedy: the chosen token is the most likely
+        assert first.token == chosen.token == token.token
+        assert first.logprob == pytest.approx(token.logprob, abs=1e-6)
+        assert second.logprob <= first.logprob
 
 
 def test_a_client_that_goes_away_frees_both_kv_pools(served: tuple[Serve, Router, int]) -> None:

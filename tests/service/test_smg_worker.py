@@ -146,13 +146,12 @@ def test_stop_token_ids_eos_and_stop_strings(words: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        ({"sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty"),
-        ({"sampling_params": {"presence_penalty": 0.5}}, "sampling_params.presence_penalty"),
         ({"sampling_params": {"n": 2}}, "sampling_params.n"),
-        ({"sampling_params": {"min_new_tokens": 3}}, "sampling_params.min_new_tokens"),
-        ({"sampling_params": {"logit_bias": {"5": 1.0}}}, "sampling_params.logit_bias"),
+        ({"sampling_params": {"logit_bias": {"five": 1.0}}}, "sampling_params.logit_bias"),
+        ({"sampling_params": {"logit_bias": {"5": 101.0}}}, "sampling.logit_bias"),
+        ({"sampling_params": {"presence_penalty": 2.5}}, "sampling.presence_penalty"),
         ({"sampling_params": {"regex": "a+"}}, "sampling_params.constraint"),
-        ({"top_logprobs_num": 3}, "top_logprobs_num"),
+        ({"return_logprob": True, "top_logprobs_num": 21}, "sampling.top_logprobs"),
         ({"lora_id": "x"}, "lora_id"),
         ({"request_id": ""}, "request_id"),
         ({"tokenized": {"input_ids": [VOCAB + 5]}}, "token_ids"),
@@ -179,6 +178,31 @@ def test_what_cannot_be_honoured_is_refused_by_name(
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert (refused.value.details() or "").startswith(f"{field}:")
             assert s.target.admits == []
+
+    run(body)
+
+
+def test_sampling_features_reach_the_target(words: Path) -> None:
+    async def body() -> None:
+        async with worker(words) as (s, stub, _):
+            asked = request([5, 6], max_new_tokens=4)
+            asked.sampling_params.MergeFrom(
+                smg_pb2.SamplingParams(
+                    presence_penalty=0.5,
+                    frequency_penalty=-1.25,
+                    min_new_tokens=2,
+                    logit_bias={"7": -100.0, "9": 2.5},
+                )
+            )
+            asked.return_logprob, asked.top_logprobs_num = True, 3
+            await collect(stub.Generate(asked))
+            sampling = s.target.admits[-1].sampling
+            assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.25)
+            assert sampling.min_tokens == 2 and dict(sampling.logit_bias) == {7: -100.0, 9: 2.5}
+            assert sampling.logprobs and sampling.top_logprobs == 3
+            asked.return_logprob = False  # top-N only with logprobs, as OpenAI's API has it
+            await collect(stub.Generate(asked))
+            assert s.target.admits[-1].sampling.top_logprobs == 0
 
     run(body)
 
