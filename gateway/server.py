@@ -18,10 +18,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[import-untyped]
-from grpc_status import rpc_status
+from google.rpc import code_pb2  # type: ignore[import-untyped]
 
+from gateway import samples
 from gateway.admission import Admission, Overloaded, Withdrawn
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
@@ -35,6 +34,7 @@ from gateway.screen import screen_generate
 from gateway.slow_readers import CUT_OFF_CODE, ReadWatch
 from gateway.target_client import RequestStream, TargetClient, TargetUnavailable
 from tandem import __version__
+from tandem.serving import rpc
 from tandem.serving.principal import Principals
 from tandem.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
 
@@ -71,8 +71,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             connected=lambda: self.client.connected,
         )
         self._seq = itertools.count(1)
+        self.groups = samples.Groups()  # n > 1 requests' completions (gateway.samples)
 
     async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        principal, info = self.principals.of(context), self.client.info
+        self.groups.refuse_running(principal, request, taken=self._jobs)
+        if request.n <= 1:
+            async for response in self._generate(request, context):
+                yield response
+            return
+        text = request.WhichOneof("prompt") == "text"  # tokenized once, for every completion
+        ids = await self.prompts.read(request, info) if text and info is not None else None
+        request_id, subs = samples.split(request, ids)
+        with self.groups.running(principal, request_id, subs):
+            async for response in samples.interleave(self._generate, request_id, subs, context):
+                yield response
+
+    async def _generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         received_ns = time.monotonic_ns()
@@ -149,7 +166,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         try:
             await self.admission.acquire(job.origin)
         except Overloaded as exc:
-            await self._overloaded(context, str(exc))
+            await rpc.abort_overloaded(context, str(exc), self.config.retry_after_s)
         except Withdrawn:
             job.finished = True
             yield self._complete(job, common_pb2.FINISH_REASON_ABORT)
@@ -344,33 +361,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             error=error,
         )
 
-    async def _overloaded(self, context: grpc.aio.ServicerContext, message: str) -> None:
-        retry = error_details_pb2.RetryInfo()
-        retry.retry_delay.FromNanoseconds(int(self.config.retry_after_s * 1e9))
-        detail = any_pb2.Any()
-        detail.Pack(retry)
-        status = rpc_status.to_status(
-            status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message, details=[detail])
-        )
-        await context.abort(status.code, status.details, status.trailing_metadata)
-
     async def Abort(
         self, request: gateway_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.AbortResponse:
         aborted: list[str] = []
         principal = self.principals.of(context)  # only the caller's own requests
-        for request_id in dict.fromkeys(request.request_ids):
-            job = self._jobs.get((principal, request_id))
-            if job is None or job.finished or job.aborting:
-                continue
-            job.aborting = True
-            self.failover.abort(job.origin)
-            if not job.admitted:
-                self.admission.withdraw(job.origin)
-            else:
-                self.client.abort([job.target_id], common_pb2.FINISH_REASON_ABORT)
-            aborted.append(request_id)
+        for asked in dict.fromkeys(request.request_ids):
+            # An n > 1 request's id reaches each of its completions (gateway.samples).
+            hits = [self._abort((principal, i)) for i in self.groups.expand(principal, asked)]
+            if any(hits):
+                aborted.append(asked)
         return gateway_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    def _abort(self, key: JobKey) -> bool:
+        job = self._jobs.get(key)
+        if job is None or job.finished or job.aborting:
+            return False
+        job.aborting = True
+        self.failover.abort(job.origin)
+        if not job.admitted:
+            self.admission.withdraw(job.origin)
+        else:
+            self.client.abort([job.target_id], common_pb2.FINISH_REASON_ABORT)
+        return True
 
     async def GetModelInfo(
         self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -4,9 +4,10 @@ A worker request arrives tokenized (the router applies the chat template and tok
 becomes a native ``GenerateRequest`` with token ids, so it takes the native request path with
 everything on it (admission, lanes, stop strings, failover, abort on disconnect). What Tandem
 cannot honour yet is refused with INVALID_ARGUMENT naming the field, never silently ignored:
-``n`` > 1, per-token-id logprobs, constrained decoding, multimodal and embedding inputs, LoRA,
+per-token-id logprobs, constrained decoding, multimodal and embedding inputs, LoRA,
 hidden states, disaggregation. Presence and frequency penalties, ``min_new_tokens``,
-``logit_bias`` and top-N logprobs map onto the native fields.
+``logit_bias``, top-N logprobs and ``n`` (completions of one prompt, by index) map onto the
+native fields.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def to_gateway(request: smg_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
     if params.HasField("max_new_tokens"):
         sampling.max_new_tokens = params.max_new_tokens
     return gateway_pb2.GenerateRequest(
+        n=params.n,
         request_id=request.request_id,
         token_ids=gateway_pb2.TokenIds(ids=request.tokenized.input_ids),
         sampling=sampling,
@@ -99,7 +101,6 @@ def _logit_bias(bias: Mapping[str, float]) -> dict[int, float]:
 def _refuse_unsupported(request: smg_pb2.GenerateRequest) -> None:
     params = request.sampling_params
     unsupported = {
-        "sampling_params.n": params.n > 1,
         "sampling_params.constraint": params.WhichOneof("constraint") is not None,
         "token_ids_logprob": bool(request.token_ids_logprob),
         "return_hidden_states": request.return_hidden_states,

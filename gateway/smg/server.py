@@ -68,9 +68,8 @@ class SmgWorkerServicer(smg_grpc.SglangSchedulerServicer):
         native = convert.to_gateway(request)
         num_prompt = len(native.token_ids.ids)
         asked = request.return_logprob  # the gateway sends logprobs only then
-        output_ids: list[int] = []
-        logprobs: list[float] = []
-        tops: list[common_pb2.TopLogprobs] = []
+        # Per completion (sampling_params.n of them, by index): tokens, logprobs, top-N.
+        outputs: dict[int, tuple[list[int], list[float], list[common_pb2.TopLogprobs]]] = {}
         # aclosing: a dropped router stream closes the native generator at once, which ends
         # the request at the target (GatewayServicer._close).
         generate = cast(
@@ -79,6 +78,7 @@ class SmgWorkerServicer(smg_grpc.SglangSchedulerServicer):
         async with contextlib.aclosing(generate(native, context)) as responses:
             async for response in responses:
                 which = response.WhichOneof("payload")
+                output_ids, logprobs, tops = outputs.setdefault(response.index, ([], [], []))
                 if which == "chunk":
                     tokens, scores = list(response.chunk.token_ids), list(response.chunk.logprobs)
                     top = list(response.chunk.top_logprobs)
@@ -89,6 +89,7 @@ class SmgWorkerServicer(smg_grpc.SglangSchedulerServicer):
                         chunk = convert.chunk(
                             tokens, scores if asked else None, num_prompt, len(output_ids), top
                         )
+                        chunk.index = response.index
                         yield smg_pb2.GenerateResponse(request_id=request.request_id, chunk=chunk)
                 elif which == "complete":
                     if request.stream:  # the chunks carried the tokens
@@ -96,6 +97,7 @@ class SmgWorkerServicer(smg_grpc.SglangSchedulerServicer):
                     else:
                         scored = logprobs if asked else None
                         done = convert.complete(response.complete, output_ids, scored, tops)
+                    done.index = response.index
                     yield smg_pb2.GenerateResponse(request_id=request.request_id, complete=done)
                 # An error payload is followed by the call's status: the gateway aborts it.
 

@@ -112,6 +112,21 @@ def status_for(exc: BaseException) -> status_pb2.Status:
     return status_pb2.Status(code=code, message=message, details=packed)
 
 
+async def abort_overloaded(
+    context: grpc.aio.ServicerContext, message: str, retry_after_s: float
+) -> None:
+    """Ends a call with RESOURCE_EXHAUSTED and a ``google.rpc.RetryInfo`` asking the client to
+    come back in ``retry_after_s`` (raises, as ``context.abort`` does)."""
+    retry = error_details_pb2.RetryInfo()
+    retry.retry_delay.FromNanoseconds(int(retry_after_s * 1e9))
+    detail = any_pb2.Any()
+    detail.Pack(retry)
+    status = rpc_status.to_status(
+        status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message, details=[detail])
+    )
+    await context.abort(status.code, status.details, status.trailing_metadata)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions escaping any servicer method (unary or streaming, either direction) to
     a status; the one place where domain errors become gRPC codes. ``screens``: by full method

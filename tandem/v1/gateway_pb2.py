@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/gateway.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\rStreamOptions\x12\x17\n\ndetokenize\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x18\n\x10\x63ontinuous_usage\x18\x03 \x01(\x08\x42\r\n\x0b_detokenize\"\xc7\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x31\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\x30\n\x0estream_options\x18\x06 \x01(\x0b\x32\x18.tandem.v1.StreamOptions\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\x15\n\x13_add_special_tokens\"\xb8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.tandem.v1.GenerateChunkH\x00\x12/\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1b.tandem.v1.GenerateCompleteH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.tandem.v1.GenerateErrorH\x00\x42\t\n\x07payload\"\x91\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12,\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\"\xd8\x01\n\x10GenerateComplete\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x02 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x03 \x01(\tH\x00\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x10\n\x08queue_ns\x18\x05 \x01(\x04\x12\x0f\n\x07ttft_ns\x18\x06 \x01(\x04\x12\x10\n\x08total_ns\x18\x07 \x01(\x04\x42\x0e\n\x0cmatched_stop\"=\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xee\x01\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12(\n\ndraft_kind\x18\x07 \x01(\x0e\x32\x14.tandem.v1.DraftKind\x12\x16\n\x0e\x64raft_model_id\x18\x08 \x01(\tB\x0f\n\r_bos_token_id\"\x16\n\x14GetServerInfoRequest\"{\n\x08LaneInfo\x12\x0f\n\x07lane_id\x18\x01 \x01(\r\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x31\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\x15\n\raccept_length\x18\x04 \x01(\x02\"\x95\x04\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x31\n\x0bspeculation\x18\x02 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\"\n\x05lanes\x18\x03 \x03(\x0b\x32\x13.tandem.v1.LaneInfo\x12*\n\x0b\x64raft_state\x18\x04 \x01(\x0e\x32\x15.tandem.v1.DraftState\x12+\n\x0ftarget_kv_usage\x18\x05 \x01(\x0b\x32\x12.tandem.v1.KvUsage\x12*\n\x0e\x64raft_kv_usage\x18\x06 \x01(\x0b\x32\x12.tandem.v1.KvUsage\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x11\n\tuptime_ns\x18\t \x01(\x04\x12\x18\n\x10target_connected\x18\n \x01(\x08\x12\x14\n\x0cverify_steps\x18\x0b \x01(\x04\x12\x15\n\rdrafted_steps\x18\x0c \x01(\x04\x12\x37\n\x12steps_without_tree\x18\r \x01(\x0b\x32\x1b.tandem.v1.StepsWithoutTree\x12*\n\x0bspec_policy\x18\x0e \x01(\x0e\x32\x15.tandem.v1.SpecPolicy\x12\x13\n\x0bmax_running\x18\x0f \x01(\r\x12\x11\n\tmax_queue\x18\x10 \x01(\r2\xb8\x02\n\x0eGatewayService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponse\x12R\n\rGetServerInfo\x12\x1f.tandem.v1.GetServerInfoRequest\x1a .tandem.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/gateway.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\rStreamOptions\x12\x17\n\ndetokenize\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x18\n\x10\x63ontinuous_usage\x18\x03 \x01(\x08\x42\r\n\x0b_detokenize\"\xd2\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x31\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\x30\n\x0estream_options\x18\x06 \x01(\x0b\x32\x18.tandem.v1.StreamOptions\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x02\x88\x01\x01\x12\t\n\x01n\x18\x08 \x01(\rB\x08\n\x06promptB\r\n\x0b_request_idB\x15\n\x13_add_special_tokens\"\xc7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.tandem.v1.GenerateChunkH\x00\x12/\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1b.tandem.v1.GenerateCompleteH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.tandem.v1.GenerateErrorH\x00\x12\r\n\x05index\x18\x05 \x01(\rB\t\n\x07payload\"\x91\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12,\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\"\xd8\x01\n\x10GenerateComplete\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x02 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x03 \x01(\tH\x00\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x10\n\x08queue_ns\x18\x05 \x01(\x04\x12\x0f\n\x07ttft_ns\x18\x06 \x01(\x04\x12\x10\n\x08total_ns\x18\x07 \x01(\x04\x42\x0e\n\x0cmatched_stop\"=\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xee\x01\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12(\n\ndraft_kind\x18\x07 \x01(\x0e\x32\x14.tandem.v1.DraftKind\x12\x16\n\x0e\x64raft_model_id\x18\x08 \x01(\tB\x0f\n\r_bos_token_id\"\x16\n\x14GetServerInfoRequest\"{\n\x08LaneInfo\x12\x0f\n\x07lane_id\x18\x01 \x01(\r\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x31\n\x0bspeculation\x18\x03 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\x15\n\raccept_length\x18\x04 \x01(\x02\"\x95\x04\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x31\n\x0bspeculation\x18\x02 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\"\n\x05lanes\x18\x03 \x03(\x0b\x32\x13.tandem.v1.LaneInfo\x12*\n\x0b\x64raft_state\x18\x04 \x01(\x0e\x32\x15.tandem.v1.DraftState\x12+\n\x0ftarget_kv_usage\x18\x05 \x01(\x0b\x32\x12.tandem.v1.KvUsage\x12*\n\x0e\x64raft_kv_usage\x18\x06 \x01(\x0b\x32\x12.tandem.v1.KvUsage\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x11\n\tuptime_ns\x18\t \x01(\x04\x12\x18\n\x10target_connected\x18\n \x01(\x08\x12\x14\n\x0cverify_steps\x18\x0b \x01(\x04\x12\x15\n\rdrafted_steps\x18\x0c \x01(\x04\x12\x37\n\x12steps_without_tree\x18\r \x01(\x0b\x32\x1b.tandem.v1.StepsWithoutTree\x12*\n\x0bspec_policy\x18\x0e \x01(\x0e\x32\x15.tandem.v1.SpecPolicy\x12\x13\n\x0bmax_running\x18\x0f \x01(\r\x12\x11\n\tmax_queue\x18\x10 \x01(\r2\xb8\x02\n\x0eGatewayService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponse\x12R\n\rGetServerInfo\x12\x1f.tandem.v1.GetServerInfoRequest\x1a .tandem.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,29 +37,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMOPTIONS']._serialized_start=87
   _globals['_STREAMOPTIONS']._serialized_end=197
   _globals['_GENERATEREQUEST']._serialized_start=200
-  _globals['_GENERATEREQUEST']._serialized_end=527
-  _globals['_GENERATERESPONSE']._serialized_start=530
-  _globals['_GENERATERESPONSE']._serialized_end=714
-  _globals['_GENERATECHUNK']._serialized_start=717
-  _globals['_GENERATECHUNK']._serialized_end=862
-  _globals['_GENERATECOMPLETE']._serialized_start=865
-  _globals['_GENERATECOMPLETE']._serialized_end=1081
-  _globals['_GENERATEERROR']._serialized_start=1083
-  _globals['_GENERATEERROR']._serialized_end=1144
-  _globals['_ABORTREQUEST']._serialized_start=1146
-  _globals['_ABORTREQUEST']._serialized_end=1181
-  _globals['_ABORTRESPONSE']._serialized_start=1183
-  _globals['_ABORTRESPONSE']._serialized_end=1227
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1229
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1250
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1253
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1491
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1493
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1515
-  _globals['_LANEINFO']._serialized_start=1517
-  _globals['_LANEINFO']._serialized_end=1640
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1643
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=2176
-  _globals['_GATEWAYSERVICE']._serialized_start=2179
-  _globals['_GATEWAYSERVICE']._serialized_end=2491
+  _globals['_GENERATEREQUEST']._serialized_end=538
+  _globals['_GENERATERESPONSE']._serialized_start=541
+  _globals['_GENERATERESPONSE']._serialized_end=740
+  _globals['_GENERATECHUNK']._serialized_start=743
+  _globals['_GENERATECHUNK']._serialized_end=888
+  _globals['_GENERATECOMPLETE']._serialized_start=891
+  _globals['_GENERATECOMPLETE']._serialized_end=1107
+  _globals['_GENERATEERROR']._serialized_start=1109
+  _globals['_GENERATEERROR']._serialized_end=1170
+  _globals['_ABORTREQUEST']._serialized_start=1172
+  _globals['_ABORTREQUEST']._serialized_end=1207
+  _globals['_ABORTRESPONSE']._serialized_start=1209
+  _globals['_ABORTRESPONSE']._serialized_end=1253
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1255
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1276
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1279
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1517
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1519
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1541
+  _globals['_LANEINFO']._serialized_start=1543
+  _globals['_LANEINFO']._serialized_end=1666
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1669
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=2202
+  _globals['_GATEWAYSERVICE']._serialized_start=2205
+  _globals['_GATEWAYSERVICE']._serialized_end=2517
 # @@protoc_insertion_point(module_scope)

@@ -65,6 +65,10 @@ def test_completions_equal_transformers(served: tuple[Serve, Router, int]) -> No
         assert whole.choices[0].finish_reason == "length"
         assert whole.usage is not None
         assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), NEW_TOKENS)
+        # n completions of one prompt (greedy: all the same), each a request at the worker.
+        several = api.completions.create(model=model, prompt=prompt, n=2, **GREEDY)
+        assert sorted(c.index for c in several.choices) == [0, 1]
+        assert [c.text for c in several.choices] == [text, text]
 
         stream = api.completions.create(
             model=model,

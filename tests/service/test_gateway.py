@@ -269,6 +269,22 @@ def test_against_the_real_target_service(tmp_path: Path) -> None:
                 assert (described.max_running, described.max_queue) == (64, 256)
                 assert gateway.client.num_connects == 1  # the stop abort kept the stream up
 
+                # n completions: seeded samples are each what a lone request with seed + i
+                # returns.
+                sampled = common_pb2.SamplingParams(temperature=1.0, seed=11, max_new_tokens=6)
+                lone = []
+                for seed in (11, 12):
+                    sampled.seed = seed
+                    request = gateway_pb2.GenerateRequest(text="w5 w6 w7", sampling=sampled)
+                    chunks, _ = await generate(stub, request)
+                    lone.append([t for c in chunks for t in c.token_ids])
+                sampled.seed = 11
+                request = gateway_pb2.GenerateRequest(text="w5 w6 w7", sampling=sampled, n=2)
+                both: dict[int, list[int]] = {0: [], 1: []}
+                async for response in stub.Generate(request):
+                    both[response.index] += list(response.chunk.token_ids)
+                assert [both[0], both[1]] == lone and lone[0] != lone[1]
+
                 # Top log-probabilities only where asked: one list per token, the greedy
                 # choice first with the token's own log-probability.
                 sampling = common_pb2.SamplingParams(

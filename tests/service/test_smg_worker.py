@@ -146,7 +146,7 @@ def test_stop_token_ids_eos_and_stop_strings(words: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        ({"sampling_params": {"n": 2}}, "sampling_params.n"),
+        ({"sampling_params": {"n": 17}}, "n"),
         ({"sampling_params": {"logit_bias": {"five": 1.0}}}, "sampling_params.logit_bias"),
         ({"sampling_params": {"logit_bias": {"5": 101.0}}}, "sampling.logit_bias"),
         ({"sampling_params": {"presence_penalty": 2.5}}, "sampling.presence_penalty"),
@@ -203,6 +203,19 @@ def test_sampling_features_reach_the_target(words: Path) -> None:
             asked.return_logprob = False  # top-N only with logprobs, as OpenAI's API has it
             await collect(stub.Generate(asked))
             assert s.target.admits[-1].sampling.top_logprobs == 0
+
+            # n completions, by index: each its own request at the target.
+            for stream in (False, True):
+                many = request([5, 6, 7], max_new_tokens=3, stream=stream)
+                many.sampling_params.n = 2
+                done: dict[int, list[int]] = {0: [], 1: []}
+                async for response in stub.Generate(many):
+                    if response.HasField("chunk"):
+                        done[response.chunk.index] += list(response.chunk.token_ids)
+                    else:
+                        done[response.complete.index] += list(response.complete.output_ids)
+                assert done == {0: [5, 6, 7], 1: [5, 6, 7]}
+            assert len({a.request_id for a in s.target.admits[-4:]}) == 4
 
     run(body)
 
