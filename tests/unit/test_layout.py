@@ -2,12 +2,12 @@
 ``TYPE_CHECKING`` and function-level imports alike): who may import whom, and no import cycles.
 
 Roles: ``kernels`` imports nothing of ours; the shared core of ``tandem/`` (its top-level
-modules, ``models``, ``attention``, ``wire``, ``graphs``, ``spec``, ``serving``, ``v1``) imports
-only the core and the kernels; ``tandem/target``, ``tandem/draft`` and ``tandem/link`` each
-import the core and themselves, never each other; only ``tandem/apps``, ``tandem/bench`` and
-``tandem/testing`` compose them; nothing in ``tandem/`` imports a service; services never
-import each other, the target service never imports the draft engine nor the draft service
-the target engine, and the gateway neither.
+modules, ``models``, ``attention``, ``wire``, ``graphs``, ``spec``, ``serving``, ``v1``,
+``smg``) imports only the core and the kernels; ``tandem/target``, ``tandem/draft`` and
+``tandem/link`` each import the core and themselves, never each other; only ``tandem/apps``,
+``tandem/bench`` and ``tandem/testing`` compose them; nothing in ``tandem/`` imports a service;
+services never import each other, the target service never imports the draft engine nor the
+draft service the target engine, and the gateway neither.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TOP = ("tandem", "target_service", "draft_service", "gateway", "kernels")
-CORE_PACKAGES = ("models", "attention", "wire", "graphs", "spec", "serving", "v1")
+CORE_PACKAGES = ("models", "attention", "wire", "graphs", "spec", "serving", "v1", "smg")
 
 # role -> the roles it may import
 ALLOWED: dict[str, set[str]] = {
