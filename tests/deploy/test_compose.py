@@ -11,12 +11,14 @@ import json
 import re
 import shlex
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml  # type: ignore[import-untyped]
+
+from tests.helpers.commands import parse_command, parsers
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -34,36 +36,14 @@ OTLP = "http://otel-collector:4317"
 _VARIABLE = re.compile(r"\$\{([A-Z0-9_]+)(:-([^}]*))?\}")
 
 
-def parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
-    from draft_service.__main__ import build_parser as draft
-    from gateway.__main__ import build_parser as gateway
-    from tandem.serving.health_probe import build_parser as probe
-    from target_service.__main__ import build_parser as target
-
-    return {
-        "draft_service": draft,
-        "target_service": target,
-        "gateway": gateway,
-        "tandem.serving.health_probe": probe,
-    }
-
-
 def interpolate(value: str) -> str:
     """Compose's ``${VAR:-default}`` with the variable unset: the default."""
     return _VARIABLE.sub(lambda m: m.group(3) or "", value)
 
 
 def check_command(argv: list[str]) -> tuple[str, argparse.Namespace]:
-    """``python -m MODULE FLAGS``: every flag spelled out in full in MODULE's parser (no
-    abbreviations) and the whole line accepted by it; returns (module, parsed)."""
-    assert argv[:2] == ["python", "-m"], argv
-    module, args = argv[2], [interpolate(a) for a in argv[3:]]
-    parser = parsers()[module]()
-    known = {s for action in parser._actions for s in action.option_strings}
-    for arg in args:
-        if arg.startswith("--"):
-            assert arg.split("=")[0] in known, f"{module} has no flag {arg}"
-    return module, parser.parse_args(args)
+    """``parse_command`` with compose's ``${VAR:-default}`` variables unset."""
+    return parse_command([*argv[:3], *(interpolate(a) for a in argv[3:])])
 
 
 def flag(argv: list[str], name: str) -> str:

@@ -5,18 +5,17 @@ on the ports the services listen on, the router on every replica, Services on re
 
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
+from tests.helpers.commands import parse_command
 from tests.helpers.k8s import build, containers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,30 +23,6 @@ KUBERNETES = "1.33.0"  # the oldest release the manifests promise to run on (gRP
 BUILDS = {"gpu": ROOT / "deploy/k8s", "cpu": ROOT / "deploy/k8s/cpu"}
 IMAGES = {"tandem:gpu": "Dockerfile.gpu", "tandem:cpu": "Dockerfile.cpu"}
 IMAGES["tandem:router"] = "Dockerfile.router"
-
-
-def parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
-    from draft_service.__main__ import build_parser as draft
-    from gateway.__main__ import build_parser as gateway
-    from tandem.serving.health_probe import build_parser as probe
-    from target_service.__main__ import build_parser as target
-
-    return {
-        "draft_service": draft,
-        "target_service": target,
-        "gateway": gateway,
-        "tandem.serving.health_probe": probe,
-    }
-
-
-def parse(argv: list[str]) -> tuple[str, argparse.Namespace]:
-    """``python -m MODULE FLAGS``, every flag spelled out in full and the line accepted."""
-    assert argv[:2] == ["python", "-m"], argv
-    parser = parsers()[argv[2]]()
-    known = {s for action in parser._actions for s in action.option_strings}
-    for arg in argv[3:]:
-        assert not arg.startswith("--") or arg in known, f"{argv[2]} has no flag {arg}"
-    return argv[2], parser.parse_args(argv[3:])
 
 
 def named(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -94,7 +69,8 @@ def test_images_are_built_here(built: tuple[str, list[dict[str, Any]]]) -> None:
 def test_commands_are_accepted_by_their_services(built: tuple[str, list[dict[str, Any]]]) -> None:
     kind, objects = built
     services = by_name(objects)
-    args = {name: parse(services[name]["command"])[1] for name in ("draft", "target", "gateway")}
+    names = ("draft", "target", "gateway")
+    args = {name: parse_command(services[name]["command"])[1] for name in names}
     assert args["draft"].device == args["target"].device == ("cuda" if kind == "gpu" else "cpu")
     assert args["draft"].host == args["target"].host == "127.0.0.1"  # off the network
     assert args["target"].draft_addr == f"127.0.0.1:{args['draft'].port}"
@@ -110,12 +86,12 @@ def test_probes_ask_the_ports_the_services_listen_on(
     _, objects = built
     services = by_name(objects)
     for name in ("draft", "target"):
-        port = parse(services[name]["command"])[1].port
+        port = parse_command(services[name]["command"])[1].port
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            module, args = parse(services[name][probe]["exec"]["command"])
+            module, args = parse_command(services[name][probe]["exec"]["command"])
             assert (module, args.address) == ("tandem.serving.health_probe", f"127.0.0.1:{port}")
     gateway = services["gateway"]
-    port = parse(gateway["command"])[1].port
+    port = parse_command(gateway["command"])[1].port
     assert {p["name"]: p["containerPort"] for p in gateway["ports"]}["grpc"] == port
     assert gateway["readinessProbe"]["grpc"]["port"] == port
     assert gateway["livenessProbe"]["tcpSocket"]["port"] == port
@@ -129,7 +105,7 @@ def test_the_router_reaches_every_replica(built: tuple[str, list[dict[str, Any]]
     headless = named(objects, "Service", replicas["serviceName"])["spec"]
     assert headless["clusterIP"] == "None"
     gateway = by_name(objects)["gateway"]
-    port = parse(gateway["command"])[1].smg_port
+    port = parse_command(gateway["command"])[1].smg_port
     assert {p["name"]: p["containerPort"] for p in gateway["ports"]}["smg"] == port
     command = by_name(objects)["router"]["command"]
     assert command[:2] == ["smg", "launch"]
