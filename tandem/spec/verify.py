@@ -367,7 +367,9 @@ def _process(
     generators = [None if p.greedy else unused for p in params]
     batch = SamplingBatch.build(params, generators, device, blocked)
     history = _node_history(trees, reqs, device) if batch.uses_history else None
-    lens = torch.tensor(prompt_lens, dtype=torch.int64, device=device)
+    lens = None
+    if batch.any_counts:  # only presence and frequency read where the prompt ends
+        lens = torch.tensor(prompt_lens, dtype=torch.int64, device=device)
     return process_logits(logits, batch, history, lens)
 
 
