@@ -95,7 +95,11 @@ def start_stack(
         ],
     )
     for svc in stack.services:
-        if svc.name == "draft" and draft_device is not None:
+        if svc.name != "draft":
+            continue
+        # The draft's pool holds the workload, as in process (inprocess.build_engine).
+        svc.args += ["--num-pages", str(max(2048, num_pages))]
+        if draft_device is not None:
             svc.args[svc.args.index("--device") + 1] = draft_device
     env = {} if probe is None else probe.env()
     env[step_log.TARGET_ENV] = str(target_steps(log_dir))
