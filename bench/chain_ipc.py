@@ -134,7 +134,7 @@ def _target(a: argparse.Namespace, root: Path, conn: socket.socket) -> dict[str,
     req.tree = Tree(tokens=(req.tokens[-1],), parents=(-1,))
     half = TargetChain(graphs, engine.kv, s, AcceptSimulator(a.simulate_accept_length, s))
     bucket = graphs.bucket_for(1, w)
-    assert bucket is not None and half.reserve([req], 0)
+    assert bucket is not None and half.reserve([(req.request_id, req.num_tokens)], 0)
     chains = half.begin([req], bucket)
     for tensor in (chains.tokens, chains.valid):
         ipc.send_frame(conn, ipc.describe(tensor))
@@ -161,7 +161,8 @@ def _target(a: argparse.Namespace, root: Path, conn: socket.socket) -> dict[str,
         if cycle == a.warmup:
             torch.cuda.synchronize()
             started, tokens, steps = time.perf_counter(), 0, 0
-        assert half.reserve([req], len(half.unread)), "target pool full"
+        row = (req.request_id, req.num_tokens)
+        assert half.reserve([row], len(half.unread)), "target pool full"
         begin, end = _timing_pair()
         begin.record()
         half.launch()

@@ -130,12 +130,15 @@ class EngineConfig:
     )
     # Steady greedy chain speculation as device-chain steps (tandem/target/device_chain.py), with
     # an in-process drafter or a draft service on the local stream (tandem/link/chain_remote.py).
-    device_chain: bool = setting(
-        False,
+    # None: on wherever the engine can run them (Engine.enable_device_chain), else off.
+    device_chain: bool | None = setting(
+        None,
         help="steady greedy chain speculation runs as device-chain steps: both halves queued on "
         "the GPU before the last step is read (needs CUDA graphs and a one-module draft on this "
-        "GPU, in process or reached through its local socket; docs/device-cycle.md)",
+        "GPU, in process or reached through its local socket; docs/device-cycle.md); on: fail "
+        "at start where it cannot run",
         env="DEVICE_CHAIN",
+        shown_default="on where it can run",
     )
     # DecoderLM.use_transposed_weights: cuBLAS's faster layout for decode-sized GEMMs.
     transposed_weights: bool | None = setting(None, like=TRANSPOSED_WEIGHTS)

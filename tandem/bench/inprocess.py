@@ -89,13 +89,14 @@ def build_engine(
     spec_policy: str = "fixed",
     overlap: bool = True,
     drafter: Drafter | None = None,
-    device_chain: bool = False,
+    device_chain: bool | None = None,
     batch_invariant: bool = False,
 ) -> Engine:
     """An engine over ``model`` (loaded from ``target`` when None), speculating with
     ``spec`` through ``drafter`` (default: the in-process drafter of ``draft``); ``overlap``
     decodes ahead (``tandem.target.ahead``), ``device_chain`` runs steady chain speculation as
-    device-chain steps (``tandem/target/device_chain.py``; needs CUDA graphs), ``batch_invariant``
+    device-chain steps (``tandem/target/device_chain.py``; needs CUDA graphs; None: where
+    they can run), ``batch_invariant``
     runs the target's batch-invariant kernels (EngineConfig.batch_invariant)."""
     config = EngineConfig(
         model=target,

@@ -242,18 +242,18 @@ def _in_process(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
     say(f"loading {config.target} in process")
     model = load_model(config.target, dtype=torch_dtype(config.dtype), device=config.device)
     rows = []
-    # mode, spec, policy, overlap, device chain
-    plans: list[tuple[str, SpecConfig | None, str, bool, bool]] = []
+    # mode, spec, policy, overlap, device chain (None: the engine's default, on where it runs)
+    plans: list[tuple[str, SpecConfig | None, str, bool, bool | None]] = []
     if "target-only" in config.modes:
-        plans.append(("target-only", None, "fixed", True, False))
+        plans.append(("target-only", None, "fixed", True, None))
     if "target-sync" in config.modes:  # every step read before the next launch
-        plans.append(("target-sync", None, "fixed", False, False))
+        plans.append(("target-sync", None, "fixed", False, None))
     if "spec" in config.modes and config.draft is not None:
-        plans.append(("spec", config.spec, config.spec_policy, True, False))
+        plans.append(("spec", config.spec, config.spec_policy, True, None))
     if "spec-chain" in config.modes and config.draft is not None:
         plans.append(("spec-chain", config.spec, config.spec_policy, True, True))
     if "k0" in config.modes and config.draft is not None:
-        plans.append(("k0", config.spec, "k0", True, False))  # the draft attached, K=0 always
+        plans.append(("k0", config.spec, "k0", True, None))  # the draft attached, K=0 always
     for mode, spec, policy, overlap, device_chain in plans:
         if device_chain and not config.device.startswith("cuda"):
             rows.append(Row(mode=mode, batch_size=0, note="skipped: needs CUDA graphs"))

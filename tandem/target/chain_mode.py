@@ -1,13 +1,17 @@
 """Device-chain steps (``tandem/target/device_chain.py``): a run of greedy chain steps, each
 launched before the last one is read.
 
-A run starts from an ordinary speculating step whose lane is the only one with work, once the
-draft owes no answer and holds nothing back and the requests are in the steady state
-(``DeviceChain.can_start``). Each step then launches the next one and reads the oldest unread
-one; where the unread steps may finish every request by length, it reads first and launches
-nothing (``DeviceChain.may_all_finish``). A run that must end (K=0 chosen, a prompt waiting, a
-request finished, a pool full, the draft's half missing) reads what it launched and ends; the
-ordinary step runs at the next call.
+A run starts from an ordinary speculating step once the draft owes no answer and holds nothing
+back and the requests are in the steady state (``DeviceChain.can_start``). A run takes every
+lane: where another lane has work, its trees (being drafted while this lane's step was
+collected) are waited for first, if its requests could join (``_merge``); the run's steps
+overlap draft and target on the device, which is what two lanes do through the host.
+
+Each step then launches the next one and reads the oldest unread one; where the unread steps
+may finish every request by length, it reads first and launches nothing
+(``DeviceChain.may_all_finish``). A run that must end (K=0 chosen, a prompt waiting, requests
+finished until a smaller bucket would do, a pool full, the draft's half missing) reads what it
+launched and ends; the ordinary step runs at the next call.
 """
 
 from __future__ import annotations
@@ -42,20 +46,40 @@ class ChainMode(StepMode):
 
     def start(self, plan: StepPlan) -> StepResult | None:
         """After an ordinary speculating step collected its lane's trees: starts a run with
-        them and steps it once; None when a run may not start now (the ordinary step goes
-        on): another lane has work, the draft owes an answer or catches up after K=0, the
-        requests are not in the steady state, or the pools cannot hold the run."""
+        them (and every other lane's, ``_merge``) and steps it once; None when a run may not
+        start now (the ordinary step goes on): the draft owes an answer or catches up after
+        K=0, the requests are not in the steady state, or the pools cannot hold the run."""
         exchange, chain = self.exchange, self.chain
+        if plan.lanes != {plan.lane} and not self._merge(plan):
+            return None
         ready = (
-            plan.lanes == {plan.lane}
-            and not exchange.awaiting
-            and not exchange.catching_up
-            and chain.can_start(self.scheduler)
+            not exchange.awaiting and not exchange.catching_up and chain.can_start(self.scheduler)
         )
-        if not ready or not chain.start(list(self.scheduler.running)):
+        reqs = list(self.scheduler.running)
+        if not ready:
+            return None
+        self.scheduler.pin([r.request_id for r in reqs])
+        if not chain.start(reqs):
+            self.scheduler.unpin(reqs)
             return None
         self.lane = plan.lane
         return self._step()
+
+    def _merge(self, plan: StepPlan) -> bool:
+        """With two lanes: whether every lane's requests may run as one run once the other
+        lanes' trees, being drafted now, are in; if so, collects them (waiting for them) and
+        the run takes every lane. A run's steps overlap draft and target on the device, which
+        is what two lanes do on the host."""
+        exchange = self.exchange
+        others = [lane for lane in plan.lanes if lane != plan.lane]
+        if exchange.catching_up:
+            return False
+        pending = frozenset(rid for lane in others for rid in exchange.awaiting.get(lane, {}))
+        if not self.chain.can_start(self.scheduler, pending):
+            return False
+        for lane in others:
+            exchange.collect(lane)
+        return True
 
     def _step(self) -> StepResult:
         """Launches the run's next step, reads the oldest unread one and commits it; a run
@@ -98,7 +122,9 @@ class ChainMode(StepMode):
         outputs: list[RequestOutput] = []
         while self.chain.unread:
             outputs += self._commit(self.chain.read(), stats)
+        reqs = self.chain.reqs
         self.chain.end(reason)
+        self.scheduler.unpin(reqs)  # finished requests' pages go now
         return outputs
 
     def _commit(self, reads: list[ChainRead], stats: SpecStats) -> list[RequestOutput]:

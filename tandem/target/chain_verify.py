@@ -101,15 +101,13 @@ class TargetChain:
         self.chains: Chains | None = None
         self.outcome: Outcome | None = None
 
-    def reserve(self, reqs: Sequence[Request], unread: int) -> bool:
-        """KV capacity for a launch with ``unread`` steps unread: its verify writes up to
-        ``L - 1 + (unread+1)(S+1) - 1``. False (nothing changed) when the pool cannot."""
+    def reserve(self, rows: Sequence[tuple[str, int]], unread: int) -> bool:
+        """KV capacity for a launch with ``unread`` steps unread, per row (request id, length
+        L as last read): its verify writes up to ``L - 1 + (unread+1)(S+1) - 1``. False
+        (nothing changed) when the pool cannot."""
         reach = (unread + 1) * self.width
         return self.alloc.extend_all(
-            [
-                (r.request_id, max(0, r.num_tokens + reach - self.alloc.num_tokens(r.request_id)))
-                for r in reqs
-            ]
+            [(rid, max(0, n + reach - self.alloc.num_tokens(rid))) for rid, n in rows]
         )
 
     def chains_for(self, bucket: Bucket) -> Chains:

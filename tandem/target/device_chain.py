@@ -22,10 +22,12 @@ What the host knows a step late, and how it stays exact:
 
 - KV pages, in both pools, are reserved for the worst case of every unread step (S+1 tokens
   each) before a launch, and new pages go into the graphs' page tables on the stream.
-- A request that finishes (EOS, stop, length, abort) is known when its step is read; the step
-  launched meanwhile computed a row for it, which is dropped, and the run ends. Where the
-  unread steps may bring every request to its length limit, nothing is launched before they
-  are read (``may_all_finish``): a run then ends without a wasted step.
+- A request that finishes (EOS, stop, length, abort) is known when its step is read. Its row
+  goes on being computed, its output dropped, its KV pages kept (``Scheduler.pin``) and
+  reserved as before, until the run ends: when the live rows would fit a smaller bucket (the
+  next run starts there), or at any other end. Where the unread steps may bring every live
+  request to its length limit, nothing is launched before they are read
+  (``may_all_finish``): a run then ends without a wasted step.
 - When the run ends, the host state an ordinary step reads is rebuilt from the last launched
   step: the target's KV length, the drafter's KV length, last output and kept feature, and each
   request's next tree (its tokens were appended as the steps were read).
@@ -112,6 +114,10 @@ class DeviceChain:
         self.draft = drafter.chain_half(spec.num_steps, target.device)
         self.lost = 0  # runs that ended without the draft's half of their last step
         self.reqs: list[Request] = []  # the run's requests, in row order ([] when idle)
+        # Per row, its length as the device has it (L: node 0 is L - 1) after the last read
+        # step: a live row's num_tokens; a finished row's rows go on being computed.
+        self.lengths: list[int] = []
+        self.batch_size = 0  # the run's bucket
         self.runs = 0  # runs started
         self.launches = 0  # steps launched
         self._run_launches = 0  # launches before the current run
@@ -127,28 +133,39 @@ class DeviceChain:
 
     # -- when ---------------------------------------------------------------------------------
 
-    def has_room(self, req: Request) -> bool:
-        """Context for the steps a run may have launched past the last read, and one more.
-        ``max_new_tokens`` needs no room: a step that passes it commits up to it (the rest is
-        dropped when the tokens are appended) and the request finishes at that read."""
-        return req.num_tokens + _STEPS_AHEAD * self.width <= self.max_model_len
+    def has_room(self, length: int) -> bool:
+        """Context for the steps a run may have launched past the last read, and one more,
+        from a row's ``length``. ``max_new_tokens`` needs no room: a step that passes it
+        commits up to it (the rest is dropped when the tokens are appended) and the request
+        finishes at that read."""
+        return length + _STEPS_AHEAD * self.width <= self.max_model_len
 
-    def _eligible(self, req: Request) -> bool:
+    @property
+    def live(self) -> int:
+        """The run's rows whose request has not finished."""
+        return sum(not req.finished for req in self.reqs)
+
+    def _eligible(self, req: Request, pending: frozenset[str] = frozenset()) -> bool:
+        """``pending``: requests whose trees are still being drafted (another lane's), taken
+        as chains the draft will deliver."""
         p, tree = req.params, req.tree
+        has_chain = req.request_id in pending or (
+            tree is not None and len(tree) <= self.width and tree.is_chain
+        )
         return (
             req.decoding
             and req.in_draft
+            and not req.parked
             and p.plain_greedy
-            and tree is not None
-            and len(tree) <= self.width
-            and tree.is_chain
+            and has_chain
             and self.draft.eligible(req.request_id, req.num_tokens)
-            and self.has_room(req)
+            and self.has_room(req.num_tokens)
         )
 
-    def can_start(self, scheduler: Scheduler) -> bool:
+    def can_start(self, scheduler: Scheduler, pending: frozenset[str] = frozenset()) -> bool:
         """Whether the running requests are in the steady state a run needs (module
-        docstring); the caller checks lanes and the exchange."""
+        docstring); the caller checks lanes and the exchange. ``pending``: as ``_eligible``
+        (the caller collects those trees before the run starts)."""
         running = scheduler.running
         if self.active or scheduler.waiting or not running:
             return False
@@ -156,7 +173,7 @@ class DeviceChain:
             return False
         if self.target_graphs.bucket_for(len(running), self.width) is None:
             return False
-        return all(self._eligible(req) for req in running)
+        return all(self._eligible(req, pending) for req in running)
 
     def may_all_finish(self) -> bool:
         """Whether the unread steps may bring every request of the run to its length limit
@@ -166,17 +183,25 @@ class DeviceChain:
         instead, and launches after the read if the run goes on. EOS and stop tokens cannot be
         foreseen; a request they finish still leaves one step launched ahead."""
         room = self.unread * self.width
-        return bool(self.reqs) and all(
-            req.length_limit(self.max_model_len) - req.num_tokens <= room for req in self.reqs
+        live = [req for req in self.reqs if not req.finished]
+        return bool(live) and all(
+            req.length_limit(self.max_model_len) - req.num_tokens <= room for req in live
         )
 
     def stop_reason(self, scheduler: Scheduler) -> str:
         """Why the run may not launch another step ('' when it may)."""
         if scheduler.waiting:
             return "a prompt is waiting"
-        if any(req.finished for req in self.reqs):
-            return "a request finished"
-        if not all(self.has_room(req) for req in self.reqs):
+        if not self.live:
+            return "every request finished"
+        if self.live < len(self.reqs):
+            # A finished request's row is computed on (its pages kept: Scheduler.pin) while
+            # the live rows need the run's bucket; once a smaller bucket would take them,
+            # the run ends (the next starts in that bucket).
+            smaller = self.target_graphs.bucket_for(self.live, self.width)
+            if smaller is None or smaller.batch_size < self.batch_size:
+                return "requests finished"
+        if not all(self.has_room(n) for n in self.lengths):
             return "a request is near the context length"
         return ""
 
@@ -187,10 +212,12 @@ class DeviceChain:
         step; False when the pools cannot hold the reservation (the run does not start)."""
         bucket = self.target_graphs.bucket_for(len(reqs), self.width)
         assert bucket is not None and bucket.width == self.width
+        self.batch_size = bucket.batch_size
         self.reqs = list(reqs)
+        self.lengths = [r.num_tokens for r in reqs]
         self.draft.request_ids = [r.request_id for r in reqs]
         if not self._reserve():
-            self.reqs = []
+            self.reqs, self.lengths = [], []
             return False
         # The draft first: a draft service answers once its stream has finished what it had
         # queued (a late half of an abandoned run writes these chains), and only then are
@@ -203,7 +230,7 @@ class DeviceChain:
             for req in reqs:
                 self.target.alloc.truncate(req.request_id, req.num_computed)
             self.draft.chains = None
-            self.reqs = []
+            self.reqs, self.lengths = [], []
             return False
         self.target.begin(reqs, bucket)
         self.target.outcome = self.draft.outcome = outcome
@@ -225,9 +252,9 @@ class DeviceChain:
         return self._launch()
 
     def _reserve(self) -> bool:
-        unread = self.unread
-        lengths = [r.num_tokens for r in self.reqs]
-        return self.target.reserve(self.reqs, unread) and self.draft.reserve(lengths, unread)
+        unread, lengths = self.unread, self.lengths
+        rows = [(r.request_id, n) for r, n in zip(self.reqs, lengths, strict=True)]
+        return self.target.reserve(rows, unread) and self.draft.reserve(lengths, unread)
 
     def _launch(self) -> str:
         self.target.launch()
@@ -242,7 +269,9 @@ class DeviceChain:
         in the drafter; requests that finished since it was launched are skipped. The caller
         appends the tokens (``Scheduler.postprocess``)."""
         reads = []
-        for req, v in zip(self.reqs, self.target.read(len(self.reqs)), strict=True):
+        verdicts = self.target.read(len(self.reqs))
+        for row, (req, v) in enumerate(zip(self.reqs, verdicts, strict=True)):
+            self.lengths[row] += v.accepted + 1
             if req.finished:
                 continue
             req.num_computed += v.accepted + 1
@@ -277,4 +306,4 @@ class DeviceChain:
             room = req.length_limit(self.max_model_len) - req.num_computed
             req.tree = tree.prefix(max(1, room))
         self.target.end()
-        self.reqs = []
+        self.reqs, self.lengths = [], []

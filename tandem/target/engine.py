@@ -149,13 +149,20 @@ class Engine:
         self._lane = MAX_LANES - 1  # the lane the last step ran (lane 0 goes first)
         self.step_counts = StepCounts()  # decode steps with and without a draft token
         self._last_step_end: int | None = None  # perf_counter_ns when the last step returned
-        if config.device_chain:
+        # On where it can run unless set (EngineConfig.device_chain); set on, it must run.
+        if config.device_chain or (config.device_chain is None and not self.device_chain_problem()):
             self.enable_device_chain()
+
+    def device_chain_problem(self) -> str:
+        """Why this engine cannot run device-chain steps ('' when it can)."""
+        if self.exchange is None:
+            return "needs a drafter"
+        return unsupported(self.drafter, self.spec, self.runner.graphs)
 
     def enable_device_chain(self) -> DeviceChain:
         """Runs steady greedy chain speculation as device-chain steps
         (``tandem/target/device_chain.py``); ValueError says why this engine cannot."""
-        problem = unsupported(self.drafter, self.spec, self.runner.graphs)
+        problem = self.device_chain_problem()
         if problem or self.drafter is None or self.spec is None or self.exchange is None:
             raise ValueError(f"device_chain: {problem}")
         assert self.runner.graphs is not None

@@ -49,6 +49,20 @@ class Scheduler:
         self.running: list[Request] = []
         # Requests the draft must forget, preempted or aborted since the engine last took them.
         self._released: list[str] = []
+        # Requests whose pages a device-chain run still writes: kept when they finish, until
+        # ``unpin`` (the run's steps in flight compute their rows to the end).
+        self._pinned: set[str] = set()
+
+    def pin(self, request_ids: list[str]) -> None:
+        """Keeps these requests' KV pages when they finish, until ``unpin``."""
+        self._pinned.update(request_ids)
+
+    def unpin(self, requests: list[Request]) -> None:
+        """Lets these requests' pages go as usual; a finished one's go now."""
+        for req in requests:
+            self._pinned.discard(req.request_id)
+            if req.finished:
+                self.allocator.free(req.request_id)
 
     def add(self, req: Request) -> None:
         """Queues a request after checking that it can ever fit in the pool and the context."""
@@ -234,7 +248,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.running.remove(req)
-        self.allocator.free(req.request_id)
+        if req.request_id not in self._pinned:
+            self.allocator.free(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.tree = None

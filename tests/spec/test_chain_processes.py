@@ -95,7 +95,7 @@ def drive(
     accepts: list[int] = []
     while len(req.output_ids) < NEW_TOKENS:
         unread = len(half.unread)
-        assert half.reserve([req], unread)
+        assert half.reserve([(req.request_id, req.num_tokens)], unread)
         length = req.num_tokens
         half.launch()
         draft_step(length, unread)
@@ -125,7 +125,8 @@ def one_process(ckpts: Checkpoints, simulator: AcceptSimulator | None) -> Run:
     target = TargetChain(engine.runner.graphs, engine.kv, S, simulator)  # type: ignore[arg-type]
     draft = drafter.chain_half(S, DEVICE)
     draft.request_ids = ["r"]
-    assert draft.reserve([req.num_tokens], 0) and target.reserve([req], 0)
+    assert draft.reserve([req.num_tokens], 0)
+    assert target.reserve([(req.request_id, req.num_tokens)], 0)
     target.chains = draft.chains = target.begin([req], Bucket(1, W))
     target.outcome = draft.outcome = draft.begin(["r"], Bucket(1, W))
 
@@ -156,7 +157,7 @@ def two_processes(ckpts: Checkpoints, simulator: AcceptSimulator | None, tmp: Pa
             shared = prompt_features(req.num_tokens - 1, width)  # alive while the child maps it
             ipc.send_frame(conn, ipc.describe(shared))
             target = TargetChain(engine.runner.graphs, engine.kv, S, simulator)  # type: ignore[arg-type]
-            assert target.reserve([req], 0)
+            assert target.reserve([(req.request_id, req.num_tokens)], 0)
             chains = target.begin([req], Bucket(1, W))
             frames = [ipc.recv_frame(conn) for _ in range(5)]
             target.outcome = Outcome(

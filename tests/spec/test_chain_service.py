@@ -137,6 +137,61 @@ def test_output_through_the_service_equals_target_only(
         _close(engine)
 
 
+def test_a_run_takes_both_lanes_through_the_service(
+    ckpts: Checkpoints, draft: ServerThread
+) -> None:
+    """Requests in two lanes: the other lane's answer is waited for once, then one run takes
+    every request; output target-only's, nothing left on the draft."""
+    engine = remote_chain_engine(ckpts, draft.address)
+    prompts = ([5, 9, 17, 4, 250, 31], [8, 8, 40, 3], [77, 12, 9])
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    try:
+        chain = engine.chain
+        assert chain is not None
+        ids = [engine.add_request(p, params, lane=n % 2) for n, p in enumerate(prompts)]
+        sizes = set()
+        while engine.has_unfinished():
+            engine.step()
+            if chain.active:
+                sizes.add(len(chain.reqs))
+        assert 3 in sizes and chain.lost == 0, (sizes, chain.lost)
+        for rid, prompt in zip(ids, prompts, strict=True):
+            assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, list(prompt), 40)
+        engine.flush_draft()
+        _wait(lambda: draft.num_tracked() == 0)
+    finally:
+        _close(engine)
+
+
+def test_a_run_goes_on_past_a_finished_request_through_the_service(
+    ckpts: Checkpoints, draft: ServerThread
+) -> None:
+    """A request of four finishes mid-run: the draft keeps computing its row until the run
+    ends, the others' outputs stay target-only's and the draft forgets every request."""
+    engine = remote_chain_engine(ckpts, draft.address)
+    prompts = ([5, 9, 17, 4, 250, 31], [8, 8, 40, 3], [77, 12, 9], [61, 2, 33, 5, 6])
+    lengths = (40, 40, 40, 10)
+    try:
+        chain = engine.chain
+        assert chain is not None
+        ids = [
+            engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, lengths, strict=True)
+        ]
+        dead_steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            dead_steps += chain.active and chain.live < len(chain.reqs)
+        assert dead_steps >= 1 and chain.lost == 0, (dead_steps, chain.lost)
+        for rid, prompt, n in zip(ids, prompts, lengths, strict=True):
+            assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, list(prompt), n)
+        engine.flush_draft()
+        _wait(lambda: draft.num_tracked() == 0)
+        assert engine.kv.allocator.num_free_pages == engine.kv.allocator.num_pages
+    finally:
+        _close(engine)
+
+
 def test_a_draft_that_stops_answering_costs_speculation_not_tokens(
     ckpts: Checkpoints, draft: ServerThread
 ) -> None:

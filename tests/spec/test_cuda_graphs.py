@@ -45,6 +45,7 @@ def cuda_engine(
         num_pages=8192 // page_size,  # small: the shadow copies the pool every step
         cuda_graphs=graphs,
         batch_invariant=batch_invariant,
+        device_chain=False,  # the ordinary steps' graphs (device-chain runs: test_device_chain)
     )
     shape = SPECS[name]
     if shape is None:

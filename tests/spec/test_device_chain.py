@@ -155,6 +155,61 @@ def test_an_abort_during_a_run_loses_nothing_of_the_others(ckpts: Checkpoints) -
     assert engine.kv.allocator.num_free_pages == engine.kv.allocator.num_pages
 
 
+def test_a_run_takes_both_lanes(ckpts: Checkpoints) -> None:
+    """Requests in two lanes (the gateway's split of a large batch): once the other lane's
+    trees are in, one run takes them all, and every output stays target-only's."""
+    engine = chain_engine(ckpts, "eagle3", 3)
+    chain = engine.chain
+    assert chain is not None
+    prompts = ([5, 9, 17, 4, 250, 31], [8, 8, 40, 3], [77, 12, 9])
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ids = [engine.add_request(p, params, lane=n % 2) for n, p in enumerate(prompts)]
+    sizes = set()
+    while engine.has_unfinished():
+        engine.step()
+        if chain.active:
+            sizes.add(len(chain.reqs))
+    engine.flush_draft()
+    assert 3 in sizes, sizes
+    for rid, prompt in zip(ids, prompts, strict=True):
+        assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, list(prompt), 40)
+    check_pools_empty(engine)
+
+
+def test_a_run_goes_on_past_a_finished_request(ckpts: Checkpoints) -> None:
+    """One of four requests finishes early (by length) and another is aborted mid-run: their
+    rows go on being computed with their pages kept, the run keeps its bucket while the
+    others need it, and ends once a smaller bucket would do; every other output stays
+    target-only's and no page of either pool is left."""
+    engine = chain_engine(ckpts, "eagle3", 3)
+    chain = engine.chain
+    assert chain is not None
+    prompts = ([5, 9, 17, 4, 250, 31], [8, 8, 40, 3], [77, 12, 9], [61, 2, 33, 5, 6])
+    lengths = (44, 44, 44, 10)
+    ids = [
+        engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    runs_when_finished = None
+    dead_steps = 0  # steps of a run with a finished row in it
+    while engine.has_unfinished():
+        engine.step()
+        if chain.active and chain.live < len(chain.reqs):
+            dead_steps += 1
+            assert chain.live * 2 > len(chain.reqs)  # a smaller bucket would have ended it
+        if runs_when_finished is None and engine._requests[ids[3]].finished:
+            runs_when_finished = chain.runs
+            engine.abort(ids[2])  # two of four finished: the next step ends the run
+    engine.flush_draft()
+    assert runs_when_finished is not None and dead_steps >= 1
+    for rid, prompt, n in zip(ids[:2], prompts[:2], lengths[:2], strict=True):
+        assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, list(prompt), n)
+    assert engine.pop_finished(ids[3]).token_ids == reference_tokens(ckpts, list(prompts[3]), 10)
+    assert engine.pop_finished(ids[2]).finish_reason.value == "abort"
+    check_pools_empty(engine)
+    assert engine.kv.allocator.num_free_pages == engine.kv.allocator.num_pages
+
+
 def test_simulated_acceptance_runs_on_the_device(ckpts: Checkpoints) -> None:
     """Perf only: the accept length is drawn on the device; requests still finish at their
     lengths and nothing leaks."""
