@@ -9,6 +9,8 @@ pools must end empty, and a run's host state at its end must be what the ordinar
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: import first
@@ -206,6 +208,47 @@ def test_a_run_goes_on_past_a_finished_request(ckpts: Checkpoints) -> None:
         assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, list(prompt), n)
     assert engine.pop_finished(ids[3]).token_ids == reference_tokens(ckpts, list(prompts[3]), 10)
     assert engine.pop_finished(ids[2]).finish_reason.value == "abort"
+    check_pools_empty(engine)
+    assert engine.kv.allocator.num_free_pages == engine.kv.allocator.num_pages
+
+
+def test_an_abort_storm_mid_run_leaks_nothing(ckpts: Checkpoints) -> None:
+    """Requests arrive and are aborted at random while runs are in flight (rows finished,
+    aborted and live in one run; runs ending and starting): every request that was not
+    aborted ends with target-only's tokens, and neither pool keeps a page."""
+    engine = chain_engine(ckpts, "eagle3", 3)
+    chain = engine.chain
+    assert chain is not None
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 12))] for _ in range(12)]
+    lengths = [rng.randint(8, 40) for _ in prompts]
+    ids: list[str] = []
+    aborted: set[str] = set()
+    mid_run = 0  # aborts while a run had steps in flight
+    step = 0
+    while len(ids) < len(prompts) or engine.has_unfinished():
+        if len(ids) < len(prompts) and step % 8 == 0:
+            params = SamplingParams(max_new_tokens=lengths[len(ids)], ignore_eos=True)
+            ids.append(engine.add_request(prompts[len(ids)], params))
+        running = [r.request_id for r in engine.scheduler.running]
+        if running and rng.random() < (0.3 if chain.active else 0.05):
+            victim = rng.choice(running)
+            mid_run += chain.active and chain.unread > 0
+            engine.abort(victim)
+            aborted.add(victim)
+        engine.step()
+        step += 1
+    engine.flush_draft()
+    assert mid_run >= 2 and chain.runs >= 3, (mid_run, chain.runs)
+    assert len(aborted) < len(ids)
+    for rid, prompt, n in zip(ids, prompts, lengths, strict=True):
+        result = engine.pop_finished(rid)
+        if rid in aborted:
+            assert result.finish_reason.value == "abort"
+            expected = reference_tokens(ckpts, prompt, n)[: len(result.token_ids)]
+            assert result.token_ids == expected  # what it had committed was right
+        else:
+            assert result.token_ids == reference_tokens(ckpts, prompt, n)
     check_pools_empty(engine)
     assert engine.kv.allocator.num_free_pages == engine.kv.allocator.num_pages
 
