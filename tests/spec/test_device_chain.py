@@ -78,14 +78,18 @@ def check_pools_empty(engine: Engine) -> None:
         assert kv.allocator.num_free_pages == kv.allocator.num_pages, "draft KV leaked"
 
 
-@pytest.mark.parametrize(("kind", "num_steps"), [("eagle3", 3), ("eagle", 5)])
+@pytest.mark.parametrize(
+    ("kind", "num_steps", "page_size"),
+    [("eagle3", 3, 4), ("eagle", 5, 4), ("eagle3", 3, 1), ("model", 3, 16)],
+)
 def test_device_chain_output_equals_target_only(
     ckpts: Checkpoints,
     reference: list[list[int]],  # noqa: F811 (the imported fixture)
     kind: str,
     num_steps: int,
+    page_size: int,
 ) -> None:
-    engine = chain_engine(ckpts, kind, num_steps)
+    engine = chain_engine(ckpts, kind, num_steps, page_size=page_size)
     outputs, _ = drive(engine, PLAN)
     assert outputs == reference
     chain = engine.chain
