@@ -10,6 +10,7 @@ that stops answering mid-run costs its requests their speculation, never a token
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,6 +188,49 @@ def test_a_run_goes_on_past_a_finished_request_through_the_service(
             assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, list(prompt), n)
         engine.flush_draft()
         _wait(lambda: draft.num_tracked() == 0)
+        assert engine.kv.allocator.num_free_pages == engine.kv.allocator.num_pages
+    finally:
+        _close(engine)
+
+
+def test_an_abort_storm_mid_run_leaves_both_pools_empty(
+    ckpts: Checkpoints, draft: ServerThread
+) -> None:
+    """Arrivals and random aborts while runs are in flight, through the service: the others'
+    outputs stay target-only's, the draft ends tracking nothing with its pool empty, and the
+    target's pool is whole."""
+    engine = remote_chain_engine(ckpts, draft.address)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(2, 10))] for _ in range(10)]
+    lengths = [rng.randint(8, 36) for _ in prompts]
+    ids: list[str] = []
+    aborted: set[str] = set()
+    try:
+        chain = engine.chain
+        assert chain is not None
+        mid_run, step = 0, 0
+        while len(ids) < len(prompts) or engine.has_unfinished():
+            if len(ids) < len(prompts) and step % 8 == 0:
+                params = SamplingParams(max_new_tokens=lengths[len(ids)], ignore_eos=True)
+                ids.append(engine.add_request(prompts[len(ids)], params))
+            running = [r.request_id for r in engine.scheduler.running]
+            if running and len(aborted) < 4 and rng.random() < (0.3 if chain.active else 0.05):
+                mid_run += chain.active and chain.unread > 0
+                victim = rng.choice(running)
+                engine.abort(victim)
+                aborted.add(victim)
+            engine.step()
+            step += 1
+        assert mid_run >= 2 and chain.lost == 0, (mid_run, chain.lost)
+        assert len(aborted) < len(ids)
+        for rid, prompt, n in zip(ids, prompts, lengths, strict=True):
+            tokens = engine.pop_finished(rid).token_ids
+            expected = reference_tokens(ckpts, prompt, n)
+            assert tokens == (expected[: len(tokens)] if rid in aborted else expected)
+        engine.flush_draft()
+        _wait(lambda: draft.num_tracked() == 0)
+        usage = draft.run(draft.server.engine.kv_usage())
+        assert usage.pages_used == 0, usage
         assert engine.kv.allocator.num_free_pages == engine.kv.allocator.num_pages
     finally:
         _close(engine)
