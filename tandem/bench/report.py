@@ -153,8 +153,31 @@ def table(rows: list[Row], header: dict[str, Any]) -> str:
             "v_turn, period = the target's turn on a GPU it shares with the draft, and the "
             "period between its starts"
         )
+    lines += ratios(rows)
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def ratios(rows: list[Row]) -> list[str]:
+    """Each mode's tok/s over target-only's at the same batch size, and every services
+    mode's over in-process speculation's (``spec``); [] without target-only rows."""
+    rates = {(r.mode, r.batch_size): r.tokens_per_s for r in rows if r.tokens_per_s}
+    sizes = sorted({bs for mode, bs in rates if mode == "target-only"})
+    if not sizes:
+        return []
+    modes = list(dict.fromkeys(m for m, _ in rates if m != "target-only"))
+    lines = [f"{'tok/s over target-only':<24}" + "".join(f"{'bs ' + str(b):>9}" for b in sizes)]
+
+    def line(label: str, num: str, den: str) -> str:
+        cells = []
+        for bs in sizes:
+            a, b = rates.get((num, bs)), rates.get((den, bs))
+            cells.append(f"{a / b:.3f}x".rjust(9) if a and b else "-".rjust(9))
+        return f"{label:<24}" + "".join(cells)
+
+    lines += [line(m, m, "target-only") for m in modes]
+    lines += [line(f"{m} / spec", m, "spec") for m in modes if m.startswith("services")]
+    return lines
 
 
 def _note(row: Row) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from tandem.bench.models import PRESETS, llama_config, llama_tensors, write_llama, write_preset
 from tandem.bench.presets import specforge_aux_layers
-from tandem.bench.report import Row, table
+from tandem.bench.report import Row, ratios, table
 from tandem.bench.sol import weight_bytes
 from tandem.models import load_model
 from tandem.models.config import ModelConfig
@@ -153,3 +153,22 @@ def test_table_is_fixed_width() -> None:
     head = next(i for i, line in enumerate(lines) if line.strip().startswith("mode"))
     assert lines[head + 1].index("spec") + 4 == lines[head + 2].index("hf-assisted") + 11
     assert "0.90/0.50/0.10" in text and "Device:" in text
+
+
+def test_ratios_over_target_only_and_in_process() -> None:
+    """Under the table: each mode over target-only per batch size, each services mode over
+    in-process speculation; a mode without a batch size's row shows '-'."""
+    rows = [
+        Row(mode="target-only", batch_size=1, tokens_per_s=200.0),
+        Row(mode="target-only", batch_size=8, tokens_per_s=1600.0),
+        Row(mode="spec", batch_size=1, tokens_per_s=480.0),
+        Row(mode="spec", batch_size=8, tokens_per_s=3200.0),
+        Row(mode="services", batch_size=1, tokens_per_s=432.0),
+    ]
+    lines = ratios(rows)
+    assert lines[0].split() == ["tok/s", "over", "target-only", "bs", "1", "bs", "8"]
+    assert lines[1].split() == ["spec", "2.400x", "2.000x"]
+    assert lines[2].split() == ["services", "2.160x", "-"]
+    assert lines[3].split() == ["services", "/", "spec", "0.900x", "-"]
+    assert "services / spec" in table(rows, {})
+    assert ratios([Row(mode="spec", batch_size=1, tokens_per_s=1.0)]) == []
