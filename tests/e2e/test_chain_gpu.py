@@ -90,7 +90,7 @@ def start(ckpts: dict[str, Path], tmp: Path, draft: str) -> Stack:
         target_port=free_port(),
         draft_port=free_port(),
         draft_deadline_s=5.0,
-        two_lane_batch=0,  # one lane: runs need it
+        two_lane_batch=0,  # one lane (a run takes every lane; two are tests/spec's)
         local_stream=True,
         extra_target_args=["--device-chain", "--log-level", "DEBUG"],
     )
