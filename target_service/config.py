@@ -57,7 +57,8 @@ class TargetServiceConfig:
     )
     admission_gap_s: float = setting(
         0.002,
-        help="seconds without a new request that end an idle target's wait for a burst",
+        help="seconds without a new request that end an idle target's wait for a burst (a "
+        "burst under way waits four times its mean spacing, at most five gaps)",
         env="ADMISSION_GAP",
         flag="admission-gap",
     )

@@ -266,6 +266,29 @@ def test_an_idle_target_prefills_a_burst_in_one_step(target_dir: Path) -> None:
         loop.stop()
 
 
+def test_a_burst_with_a_hiccup_prefills_in_one_step(target_dir: Path) -> None:
+    """Prompts 0.05 s apart with one pause of 0.2 s among them (the gap is 0.15 s): the burst
+    under way waits up to four of its spacings, so all prefill in the first step; a lone
+    prompt still waits one gap."""
+    engine = Engine(EngineConfig(model=target_dir, num_pages=256))
+    loop, reports = _started_loop(engine, window_s=4.0, gap_s=0.15)
+    try:
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        for request_id, pause in zip("abcdef", (0, 0.05, 0.05, 0.05, 0.2, 0.05), strict=True):
+            time.sleep(pause)
+            loop.submit(Admit(1, request_id, PROMPTS[1], params, speculate=False))
+        while (response := reports.get(timeout=30)).WhichOneof("event") != "step":
+            pass
+        assert {c.request_id for c in response.step.commits} == set("abcdef")
+        _wait_idle(engine)
+        while not reports.empty():
+            reports.get_nowait()
+        committed, after = _first_step(loop, reports, ["g"], 0.05)
+        assert committed == {"g"} and after < 0.6
+    finally:
+        loop.stop()
+
+
 def test_a_burst_that_fills_a_step_stops_the_wait(target_dir: Path) -> None:
     """Once the waiting requests fill a step (here max_num_seqs = 2), an idle target starts at
     once: a request arriving later would wait for a later step anyway. Neither the gap nor the
