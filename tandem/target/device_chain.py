@@ -39,12 +39,13 @@ through two buffers on the device (``Outcome``, ``Chains``). This module drives 
 keeps the run's host bookkeeping.
 
 A run starts only in the steady state (``can_start``): every running request decoding
-greedily without penalties in one lane, each tracked by a drafter that takes the draft's half
-(``Drafter.chain_half``: an in-process drafter with draft graphs and one module, or a draft
-service on this device) and holding a chain tree, no
-prompt waiting, graph buckets for the batch, context for three more steps (``max_new_tokens``
-needs none: a request that passes it finishes at the read, its extra tokens dropped). The
-engine ends it when any of that changes (``tandem/target/chain_mode.py``).
+greedily without penalties (in any lane), each tracked by a drafter that takes the draft's
+half (``Drafter.chain_half``: an in-process drafter with draft graphs and one module, or a
+draft service on this device) and holding a chain tree, no prompt waiting that could start
+(one waiting for a free sequence slot waits for a finish anyway: ``can_take_waiting``), graph
+buckets for the batch, context for three more steps (``max_new_tokens`` needs none: a request
+that passes it finishes at the read, its extra tokens dropped). The engine ends it when any of
+that changes (``tandem/target/chain_mode.py``).
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class DeviceChain:
         docstring); the caller checks lanes and the exchange. ``pending``: as ``_eligible``
         (the caller collects those trees before the run starts)."""
         running = scheduler.running
-        if self.active or scheduler.waiting or not running:
+        if self.active or scheduler.can_take_waiting() or not running:
             return False
         if not self.draft.ready():
             return False
@@ -190,7 +191,7 @@ class DeviceChain:
 
     def stop_reason(self, scheduler: Scheduler) -> str:
         """Why the run may not launch another step ('' when it may)."""
-        if scheduler.waiting:
+        if scheduler.can_take_waiting():  # one that cannot start yet waits for a finish anyway
             return "a prompt is waiting"
         if not self.live:
             return "every request finished"

@@ -94,6 +94,11 @@ class Scheduler:
         """Whether a running or waiting request may speculate (none opted out of it)."""
         return any(r.speculate for r in self.running) or any(r.speculate for r in self.waiting)
 
+    def can_take_waiting(self) -> bool:
+        """Whether a waiting request could be scheduled now as far as sequences go (running
+        requests below ``max_num_seqs``); one that could not waits for a finish anyway."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
     def step_full(self) -> bool:
         """Whether the waiting requests already fill a step (its sequences or its tokens), so
         a request arriving now would wait for a later step anyway."""

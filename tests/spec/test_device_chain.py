@@ -44,6 +44,7 @@ def chain_engine(
     simulate: float | None = None,
     capture: bool = False,
     max_model_len: int = 128,  # page tables (and interpreted attention's splits) stay small
+    max_num_seqs: int = max(BATCH_SIZES),
 ) -> Engine:
     drafter = make_drafter(ckpts, kind, str(DEVICE), page_size, 2048 // page_size)
     config = EngineConfig(
@@ -51,7 +52,7 @@ def chain_engine(
         device=str(DEVICE),
         page_size=page_size,
         num_pages=4096 // page_size,
-        max_num_seqs=max(BATCH_SIZES),
+        max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         cuda_graphs=capture,
         cuda_graph_batch_sizes=BATCH_SIZES,
@@ -255,6 +256,34 @@ def test_an_abort_storm_mid_run_leaks_nothing(ckpts: Checkpoints) -> None:
             assert result.token_ids == reference_tokens(ckpts, prompt, n)
     check_pools_empty(engine)
     assert engine.kv.allocator.num_free_pages == engine.kv.allocator.num_pages
+
+
+def test_a_prompt_that_cannot_start_yet_leaves_the_run_going(ckpts: Checkpoints) -> None:
+    """Two requests run (max_num_seqs 2) when a third arrives: it could not be scheduled
+    before one finishes, so the run goes on; once one finishes the run ends and the prompt
+    prefills. Every output is target-only's."""
+    engine = chain_engine(ckpts, "eagle3", 3, max_num_seqs=2)
+    chain = engine.chain
+    assert chain is not None
+    prompts = ([5, 9, 17, 4, 250, 31], [8, 8, 40, 3], [77, 12, 9])
+    lengths = (40, 16, 20)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts[:2], params, strict=False)]
+    while not chain.active:
+        engine.step()
+    runs = chain.runs
+    ids.append(engine.add_request(prompts[2], params[2]))
+    steps_while_waiting = 0
+    while engine.scheduler.waiting:
+        engine.step()
+        steps_while_waiting += chain.active and chain.runs == runs
+    assert steps_while_waiting >= 2
+    while engine.has_unfinished():
+        engine.step()
+    engine.flush_draft()
+    for rid, prompt, n in zip(ids, prompts, lengths, strict=True):
+        assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, list(prompt), n)
+    check_pools_empty(engine)
 
 
 def test_simulated_acceptance_runs_on_the_device(ckpts: Checkpoints) -> None:
