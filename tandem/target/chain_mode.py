@@ -55,9 +55,9 @@ class ChainMode(StepMode):
         ready = (
             not exchange.awaiting and not exchange.catching_up and chain.can_start(self.scheduler)
         )
-        reqs = list(self.scheduler.running)
         if not ready:
             return None
+        reqs = list(self.scheduler.running)
         self.scheduler.pin([r.request_id for r in reqs])
         if not chain.start(reqs):
             self.scheduler.unpin(reqs)
@@ -83,8 +83,8 @@ class ChainMode(StepMode):
 
     def _step(self) -> StepResult:
         """Launches the run's next step, reads the oldest unread one and commits it; a run
-        that cannot launch (a pool is full, the draft did not answer) or whose request
-        finished ends here."""
+        that cannot launch (a pool is full, the draft did not answer) or whose live requests
+        would fit a smaller bucket ends here."""
         chain = self.chain
         problem = "" if chain.unread and chain.may_all_finish() else chain.launch()
         waited = time.perf_counter_ns()
@@ -94,7 +94,7 @@ class ChainMode(StepMode):
         reason = problem or chain.stop_reason(self.scheduler)
         if problem or (reason and not chain.unread):
             outputs = merge_outputs(outputs + self._end(reason, stats))
-        # Otherwise a run that must end (a request finished, a prompt waits) still has the
+        # Otherwise a run that must end (requests finished, a prompt waits) still has the
         # step launched ahead to read: this step's tokens go out now, a finished request's
         # last ones among them, and the next call reads that step and ends the run (a drain)
         # rather than hold them back for a step's time.

@@ -116,7 +116,7 @@ class DeviceChain:
         self.lost = 0  # runs that ended without the draft's half of their last step
         self.reqs: list[Request] = []  # the run's requests, in row order ([] when idle)
         # Per row, its length as the device has it (L: node 0 is L - 1) after the last read
-        # step: a live row's num_tokens; a finished row's rows go on being computed.
+        # step: a live request's num_tokens; a finished request's row goes on growing.
         self.lengths: list[int] = []
         self.batch_size = 0  # the run's bucket
         self.runs = 0  # runs started
