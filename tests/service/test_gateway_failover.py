@@ -39,6 +39,11 @@ def _port(s: Stack) -> int:
     return int(s.gateway.client.address.rsplit(":", 1)[1])
 
 
+# The gateway reconnects to a restarted target within its backoff (at most 2 s); on a loaded
+# two-core machine that has taken more than 5 s (the wait's default).
+RECONNECT_S = 15.0
+
+
 async def _restart(s: Stack, target: EchoTarget | None = None) -> EchoTarget:
     """Stops the target's server and serves a fresh target on the same port."""
     await s.target_server.stop(0)
@@ -84,7 +89,7 @@ def test_in_flight_requests_continue_across_two_target_restarts(words: Path) -> 
                 # The request keeps its slot, so the queued one still waits.
                 assert s.gateway.servicer.admission.num_running == 1
                 assert s.gateway.servicer.admission.num_waiting == 1
-                await wait_until(lambda t=target: len(t.admits) == 1)  # type: ignore[misc]
+                await wait_until(lambda t=target: len(t.admits) == 1, RECONNECT_S)  # type: ignore[misc]
                 readmits.append(target.admits[0])
                 await asyncio.sleep(0.05)  # a few commits from this target
             rest, text, logprobs, complete = await _collect(call)
@@ -147,7 +152,8 @@ def test_aborts_complete_requests_and_the_wait_is_bounded(words: Path) -> None:
         async with stack(words, step_s=0.01, failover_wait_s=1.5) as s:
             await _restart(s, Unfinished(step_s=0.05))
             await wait_until(
-                lambda: s.gateway.client.num_connects == 2 and s.gateway.client.connected
+                lambda: s.gateway.client.num_connects == 2 and s.gateway.client.connected,
+                RECONNECT_S,
             )
             done = s.stub.Generate(ids_request([5], max_new_tokens=4))
             eos = s.stub.Generate(ids_request([5, EOS, 6], max_new_tokens=20))
@@ -189,7 +195,7 @@ def test_a_request_is_readmitted_a_bounded_number_of_times(words: Path) -> None:
             assert (await call.read()).chunk.token_ids
             for _ in range(MAX_RESUMES):
                 target = await _restart(s)
-                await wait_until(lambda t=target: len(t.admits) == 1)  # type: ignore[misc]
+                await wait_until(lambda t=target: len(t.admits) == 1, RECONNECT_S)  # type: ignore[misc]
                 target.paused = True  # no progress: the request is still in flight
             await s.target_server.stop(0)
             with pytest.raises(grpc.aio.AioRpcError) as gone:
