@@ -49,7 +49,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
     running: Stack = cpu_stack(
         target,
         eagle3,
-        extra_gateway_args=["--auth-token", TOKEN],
+        extra_gateway_args=[f"--auth-token={TOKEN}"],  # a token may start with "-"
     )
     running.start(log_dir=root / "logs")
     try:
