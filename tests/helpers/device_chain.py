@@ -4,6 +4,9 @@ run eagerly on their static buffers, and target-only references."""
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass, field
+
 import pytest
 
 from tests.kernels._interpret import DEVICE  # sets Triton's mode: import first
@@ -51,3 +54,62 @@ def reference_tokens(ckpts: Checkpoints, prompt: list[int], num: int) -> list[in
     config = EngineConfig(model=ckpts.target, device=str(DEVICE), num_pages=64, cuda_graphs=False)
     params = SamplingParams(max_new_tokens=num, ignore_eos=True)
     return Engine(config).generate([prompt], params)[0].token_ids
+
+
+def run_in_two_lanes(engine: Engine, ckpts: Checkpoints) -> set[int]:
+    """Three requests in alternating lanes (the gateway's split of a large batch), stepped to
+    their end with the draft flushed; each output checked against target-only's. Returns the
+    sizes the device-chain runs had."""
+    chain = engine.chain
+    assert chain is not None
+    prompts = ([5, 9, 17, 4, 250, 31], [8, 8, 40, 3], [77, 12, 9])
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ids = [engine.add_request(p, params, lane=n % 2) for n, p in enumerate(prompts)]
+    sizes = set()
+    while engine.has_unfinished():
+        engine.step()
+        if chain.active:
+            sizes.add(len(chain.reqs))
+    engine.flush_draft()
+    for rid, prompt in zip(ids, prompts, strict=True):
+        assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, list(prompt), 40)
+    return sizes
+
+
+@dataclass
+class Storm:
+    """What ``abort_storm`` did: the requests in arrival order, those it aborted, and how many
+    aborts came while a run had steps in flight."""
+
+    ids: list[str] = field(default_factory=list)
+    aborted: set[str] = field(default_factory=set)
+    mid_run: int = 0
+
+
+def abort_storm(
+    engine: Engine,
+    rng: random.Random,
+    prompts: list[list[int]],
+    lengths: list[int],
+    max_aborts: int | None = None,
+) -> Storm:
+    """Admits ``prompts`` one every 8 steps and, before each step, aborts a random running
+    request (30% of steps while a run is active, 5% otherwise; at most ``max_aborts``), until
+    every request finished."""
+    chain = engine.chain
+    assert chain is not None
+    storm, step = Storm(), 0
+    while len(storm.ids) < len(prompts) or engine.has_unfinished():
+        if len(storm.ids) < len(prompts) and step % 8 == 0:
+            params = SamplingParams(max_new_tokens=lengths[len(storm.ids)], ignore_eos=True)
+            storm.ids.append(engine.add_request(prompts[len(storm.ids)], params))
+        running = [r.request_id for r in engine.scheduler.running]
+        room = max_aborts is None or len(storm.aborted) < max_aborts
+        if running and room and rng.random() < (0.3 if chain.active else 0.05):
+            victim = rng.choice(running)
+            storm.mid_run += chain.active and chain.unread > 0
+            engine.abort(victim)
+            storm.aborted.add(victim)
+        engine.step()
+        step += 1
+    return storm

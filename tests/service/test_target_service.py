@@ -8,7 +8,7 @@ import gc
 import logging
 import queue
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -257,9 +257,7 @@ def test_an_idle_target_prefills_a_burst_in_one_step(target_dir: Path) -> None:
     try:
         committed, _ = _first_step(loop, reports, ["a", "b", "c", "d", "e"], 0.1)
         assert committed == {"a", "b", "c", "d", "e"}
-        _wait_idle(engine)
-        while not reports.empty():
-            reports.get_nowait()
+        _idle_again(engine, reports)
         committed, after = _first_step(loop, reports, ["f"], 0.1)
         assert committed == {"f"} and after < 0.8
     finally:
@@ -273,16 +271,10 @@ def test_a_burst_with_a_hiccup_prefills_in_one_step(target_dir: Path) -> None:
     engine = Engine(EngineConfig(model=target_dir, num_pages=256))
     loop, reports = _started_loop(engine, window_s=4.0, gap_s=0.15)
     try:
-        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-        for request_id, pause in zip("abcdef", (0, 0.05, 0.05, 0.05, 0.2, 0.05), strict=True):
-            time.sleep(pause)
-            loop.submit(Admit(1, request_id, PROMPTS[1], params, speculate=False))
-        while (response := reports.get(timeout=30)).WhichOneof("event") != "step":
-            pass
-        assert {c.request_id for c in response.step.commits} == set("abcdef")
-        _wait_idle(engine)
-        while not reports.empty():
-            reports.get_nowait()
+        pauses = (0.05, 0.05, 0.05, 0.05, 0.2, 0.05)
+        committed, _ = _first_step(loop, reports, list("abcdef"), pauses)
+        assert committed == set("abcdef")
+        _idle_again(engine, reports)
         committed, after = _first_step(loop, reports, ["g"], 0.05)
         assert committed == {"g"} and after < 0.6
     finally:
@@ -323,18 +315,26 @@ def _first_step(
     loop: TargetLoop,
     reports: queue.Queue[target_pb2.ControlResponse],
     ids: list[str],
-    apart_s: float,
+    apart_s: float | Sequence[float],
 ) -> tuple[set[str], float]:
-    """The ids committed in the first step after admitting ``ids`` ``apart_s`` apart, and how
-    long after the last admit that step reported."""
+    """The ids committed in the first step after admitting ``ids`` ``apart_s`` apart (or
+    each after its own pause), and how long after the last admit that step reported."""
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    for request_id in ids:
-        time.sleep(apart_s)
+    pauses = [apart_s] * len(ids) if isinstance(apart_s, float) else list(apart_s)
+    for request_id, pause in zip(ids, pauses, strict=True):
+        time.sleep(pause)
         loop.submit(Admit(1, request_id, PROMPTS[1], params, speculate=False))
     sent = time.monotonic()
     while (response := reports.get(timeout=30)).WhichOneof("event") != "step":
         pass
     return {c.request_id for c in response.step.commits}, time.monotonic() - sent
+
+
+def _idle_again(engine: Engine, reports: queue.Queue[target_pb2.ControlResponse]) -> None:
+    """Waits until the requests finished and drops what they reported."""
+    _wait_idle(engine)
+    while not reports.empty():
+        reports.get_nowait()
 
 
 def _wait_idle(engine: Engine, timeout: float = 30) -> None:

@@ -35,8 +35,10 @@ from tests.driving import drive
 from tests.helpers.device_chain import (  # noqa: F401 (reference: a fixture)
     BATCH_SIZES,
     PLAN,
+    abort_storm,
     reference,
     reference_tokens,
+    run_in_two_lanes,
     static_target_buckets,
 )
 from tests.helpers.draft_service import ServerThread
@@ -144,21 +146,11 @@ def test_a_run_takes_both_lanes_through_the_service(
     """Requests in two lanes: the other lane's answer is waited for once, then one run takes
     every request; output target-only's, nothing left on the draft."""
     engine = remote_chain_engine(ckpts, draft.address)
-    prompts = ([5, 9, 17, 4, 250, 31], [8, 8, 40, 3], [77, 12, 9])
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     try:
+        sizes = run_in_two_lanes(engine, ckpts)
         chain = engine.chain
         assert chain is not None
-        ids = [engine.add_request(p, params, lane=n % 2) for n, p in enumerate(prompts)]
-        sizes = set()
-        while engine.has_unfinished():
-            engine.step()
-            if chain.active:
-                sizes.add(len(chain.reqs))
         assert 3 in sizes and chain.lost == 0, (sizes, chain.lost)
-        for rid, prompt in zip(ids, prompts, strict=True):
-            assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, list(prompt), 40)
-        engine.flush_draft()
         _wait(lambda: draft.num_tracked() == 0)
     finally:
         _close(engine)
@@ -203,24 +195,11 @@ def test_an_abort_storm_mid_run_leaves_both_pools_empty(
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(2, 10))] for _ in range(10)]
     lengths = [rng.randint(8, 36) for _ in prompts]
-    ids: list[str] = []
-    aborted: set[str] = set()
     try:
         chain = engine.chain
         assert chain is not None
-        mid_run, step = 0, 0
-        while len(ids) < len(prompts) or engine.has_unfinished():
-            if len(ids) < len(prompts) and step % 8 == 0:
-                params = SamplingParams(max_new_tokens=lengths[len(ids)], ignore_eos=True)
-                ids.append(engine.add_request(prompts[len(ids)], params))
-            running = [r.request_id for r in engine.scheduler.running]
-            if running and len(aborted) < 4 and rng.random() < (0.3 if chain.active else 0.05):
-                mid_run += chain.active and chain.unread > 0
-                victim = rng.choice(running)
-                engine.abort(victim)
-                aborted.add(victim)
-            engine.step()
-            step += 1
+        storm = abort_storm(engine, rng, prompts, lengths, max_aborts=4)
+        ids, aborted, mid_run = storm.ids, storm.aborted, storm.mid_run
         assert mid_run >= 2 and chain.lost == 0, (mid_run, chain.lost)
         assert len(aborted) < len(ids)
         for rid, prompt, n in zip(ids, prompts, lengths, strict=True):

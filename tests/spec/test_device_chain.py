@@ -26,8 +26,10 @@ from tests.driving import Arrival, arrivals, drive
 from tests.helpers.device_chain import (  # noqa: F401 (reference: a fixture)
     BATCH_SIZES,
     PLAN,
+    abort_storm,
     reference,
     reference_tokens,
+    run_in_two_lanes,
     static_target_buckets,
 )
 from tests.spec.conftest import VOCAB, Checkpoints, make_drafter
@@ -166,20 +168,8 @@ def test_a_run_takes_both_lanes(ckpts: Checkpoints) -> None:
     """Requests in two lanes (the gateway's split of a large batch): once the other lane's
     trees are in, one run takes them all, and every output stays target-only's."""
     engine = chain_engine(ckpts, "eagle3", 3)
-    chain = engine.chain
-    assert chain is not None
-    prompts = ([5, 9, 17, 4, 250, 31], [8, 8, 40, 3], [77, 12, 9])
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    ids = [engine.add_request(p, params, lane=n % 2) for n, p in enumerate(prompts)]
-    sizes = set()
-    while engine.has_unfinished():
-        engine.step()
-        if chain.active:
-            sizes.add(len(chain.reqs))
-    engine.flush_draft()
+    sizes = run_in_two_lanes(engine, ckpts)
     assert 3 in sizes, sizes
-    for rid, prompt in zip(ids, prompts, strict=True):
-        assert engine.pop_finished(rid).token_ids == reference_tokens(ckpts, list(prompt), 40)
     check_pools_empty(engine)
 
 
@@ -227,22 +217,8 @@ def test_an_abort_storm_mid_run_leaks_nothing(ckpts: Checkpoints) -> None:
     rng = random.Random(7)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 12))] for _ in range(12)]
     lengths = [rng.randint(8, 40) for _ in prompts]
-    ids: list[str] = []
-    aborted: set[str] = set()
-    mid_run = 0  # aborts while a run had steps in flight
-    step = 0
-    while len(ids) < len(prompts) or engine.has_unfinished():
-        if len(ids) < len(prompts) and step % 8 == 0:
-            params = SamplingParams(max_new_tokens=lengths[len(ids)], ignore_eos=True)
-            ids.append(engine.add_request(prompts[len(ids)], params))
-        running = [r.request_id for r in engine.scheduler.running]
-        if running and rng.random() < (0.3 if chain.active else 0.05):
-            victim = rng.choice(running)
-            mid_run += chain.active and chain.unread > 0
-            engine.abort(victim)
-            aborted.add(victim)
-        engine.step()
-        step += 1
+    storm = abort_storm(engine, rng, prompts, lengths)
+    ids, aborted, mid_run = storm.ids, storm.aborted, storm.mid_run
     engine.flush_draft()
     assert mid_run >= 2 and chain.runs >= 3, (mid_run, chain.runs)
     assert len(aborted) < len(ids)
