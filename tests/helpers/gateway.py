@@ -51,6 +51,7 @@ class EchoTarget(target_pb2_grpc.TargetServiceServicer):
         self.refuse: target_pb2.Commit | None = None  # answer every admit with this error
         self.admits: list[target_pb2.AdmitCommand] = []
         self.aborts: list[target_pb2.AbortCommand] = []
+        self.controls = 0  # control streams that reached this target
         self.status = target_pb2.TargetStatus(
             kv_usage=common_pb2.KvUsage(pages_used=3, pages_total=100, page_size=16),
             draft_state=common_pb2.DRAFT_STATE_HEALTHY,
@@ -69,6 +70,7 @@ class EchoTarget(target_pb2_grpc.TargetServiceServicer):
     async def Control(
         self, request_iterator: AsyncIterator[target_pb2.ControlRequest], context: Any
     ) -> AsyncIterator[target_pb2.ControlResponse]:
+        self.controls += 1
         running: dict[str, _Running] = {}
         refusals: list[target_pb2.Commit] = []
 
