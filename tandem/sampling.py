@@ -149,11 +149,17 @@ class SamplingParams:
         )
 
     @property
+    def plain(self) -> bool:
+        """No processor that reads the tokens so far, no bias, no ``min_tokens``, no
+        alternatives asked: each node's distribution is the logits' with this request's
+        temperature and filters (what device-chain steps verify)."""
+        return not (self.uses_history or self.min_tokens or self.logit_bias or self.top_logprobs)
+
+    @property
     def plain_greedy(self) -> bool:
-        """Greedy with no processor and no alternatives asked: the raw logits' argmax is all a
-        step needs (the paths that decode ahead or run device-chain steps take only these)."""
-        plain = not (self.uses_history or self.min_tokens or self.logit_bias or self.top_logprobs)
-        return self.greedy and plain
+        """Greedy and ``plain``: the raw logits' argmax is all a step needs (the path that
+        decodes ahead takes only these)."""
+        return self.greedy and self.plain
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:

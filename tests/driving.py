@@ -24,6 +24,8 @@ class Arrival:
     prompt: list[int]
     max_new_tokens: int
     temperature: float = 0.0  # 0: greedy; else sampled with a seed from the arrival's step
+    top_k: int = 0
+    top_p: float = 1.0
 
 
 def arrivals(
@@ -54,6 +56,8 @@ def drive(engine: Engine, plan: Sequence[Arrival]) -> tuple[list[list[int]], int
                 max_new_tokens=a.max_new_tokens,
                 ignore_eos=True,
                 temperature=a.temperature,
+                top_k=a.top_k,
+                top_p=a.top_p,
                 seed=a.step if a.temperature else None,
             )
             ids.append(engine.add_request(a.prompt, params))

@@ -102,7 +102,8 @@ class DraftChain(DraftHalf):
         for t, step in enumerate(self.schedule.steps):
             rows = mask_words(range(-1, step.prev + len(step.depths) - 1), words)
             staged.ints[f"mask{t}"] = rows[step.prev * words :] * bs
-        staged.pages["pages0"] = pages
+        if "pages0" in staged.pages:  # S=1: the extend drafts the only draft, no loop step
+            staged.pages["pages0"] = pages
         self.graphs.static.stage(loop, staged)
         self._pages = [len(p) for p in pages]
         outcome = self._outcomes.get(bucket)
@@ -139,10 +140,9 @@ class DraftChain(DraftHalf):
     def _sync_pages(self) -> None:
         bucket = self._bucket
         extend, loop = self.graphs.extends[bucket], self.graphs.loops[bucket]
-        tables = [
-            extend.modules[0].backend.graph_meta.page_table,
-            loop.backends[0].graph_meta.page_table,  # every loop step shares one table
-        ]
+        tables = [extend.modules[0].backend.graph_meta.page_table]
+        if loop.backends:  # every loop step shares one table (S=1: no loop step)
+            tables.append(loop.backends[0].graph_meta.page_table)
         for i, rid in enumerate(self.request_ids):
             self._pages[i] = grow_tables(tables, i, self.alloc.pages(rid), self._pages[i])
 

@@ -12,13 +12,17 @@ With the target's graphs captured, all of that but the page tables' growth, the 
 noise and the verdict's copy out is one CUDA graph per bucket (captured at the bucket's first
 launch, over the bucket's own state buffers and the ``Outcome`` bound then): one launch a step
 instead of about fifty small kernels and a replay.
+
+Sampled rows (``tandem/target/chain_sampling.py``) take the target's processed distribution
+and their own generator's coins and noise, drawn before the launch; a run with any sampled row
+replays the graph of its filters.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -27,9 +31,11 @@ import kernels
 from tandem.graphs.base import Bucket, capture_graph
 from tandem.kv import KVCache
 from tandem.request import Request
+from tandem.sampling import SamplingBatch, process_logits
 from tandem.spec.chain import Chains, Outcome, grow_tables, share_on_cpu
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import Tree, valid_depth
+from tandem.target.chain_sampling import ChainSampling, Filters, sampled_verdict
 from tandem.target.graphs import TargetGraphRunner
 
 _RING = 3  # verdict slots in pinned memory: at most two steps are unread at once
@@ -54,8 +60,12 @@ class _Static:
     noise: torch.Tensor  # [bs] float32: the simulator's draw for the step
     verdict: torch.Tensor  # [bs, 2 + 2(S+1)] float64: accepted, drafted, tokens, logprobs
     chains: Chains
-    graph: torch.cuda.CUDAGraph | None = None
-    bound: int = 0  # data_ptr of the Outcome the graph writes (0: none captured)
+    # Per filters (None: every row greedy), the captured step and the data_ptr of the Outcome
+    # it writes.
+    graphs: dict[Filters | None, tuple[torch.cuda.CUDAGraph, int]] = field(default_factory=dict)
+    sampled: torch.Tensor | None = None  # [bs] bool: rows that sample (allocated at first use)
+    coins: torch.Tensor | None = None  # [bs, coin_block] float32
+    race: torch.Tensor | None = None  # [bs, V] float32: the bonus race's Exp(1) noise
 
 
 @dataclass
@@ -73,7 +83,10 @@ class TargetChain:
         kv: KVCache,
         num_steps: int,
         simulator: AcceptSimulator | None,
+        coin_block: int | None = None,
     ) -> None:
+        """``coin_block``: the coins a sampled row draws per step (the engine's tree size, as
+        its ordinary step draws them; S+1 when not given)."""
         self.target = target
         self.alloc = kv.allocator
         self.num_steps = num_steps
@@ -98,8 +111,14 @@ class TargetChain:
         self._pages: list[int] = []
         self._statics: dict[Bucket, _Static] = {}
         self.steps: dict[Bucket, int] = {}  # steps launched per bucket
+        self.sampled_steps = 0  # steps launched with a sampled row
         self.chains: Chains | None = None
         self.outcome: Outcome | None = None
+        self.sampling = ChainSampling(self.device, coin_block or self.width)
+        # The current run's sampled rows: their filters and parameters, and per row its
+        # generator (None: greedy); None when every row is greedy.
+        self._filters: tuple[Filters, SamplingBatch] | None = None
+        self._generators: list[torch.Generator | None] = []
 
     def reserve(self, rows: Sequence[tuple[str, int]], unread: int) -> bool:
         """KV capacity for a launch with ``unread`` steps unread, per row (request id, length
@@ -134,6 +153,15 @@ class TargetChain:
         static.chains.tokens.copy_(torch.tensor(tokens + [[0] * w] * missing))
         static.chains.valid.copy_(torch.tensor(valid + [[False] * self.num_steps] * missing))
         self.chains = static.chains
+        self._filters = self.sampling.stage(reqs, bs, w)
+        self._generators = [None if r.params.greedy else r.generator for r in reqs]
+        if self._filters is not None:
+            missing_generator = [
+                r.request_id for r in reqs if not r.params.greedy and not r.generator
+            ]
+            assert not missing_generator, f"sampled without a random stream: {missing_generator}"
+            sampled = [not r.params.greedy for r in reqs] + [False] * missing
+            self._sampling_buffers(static).copy_(torch.tensor(sampled))
         # Everything staged once (query starts, chain masks, rows, the page tables as now).
         plan = self.target.plan(self.request_ids, [r.num_computed for r in reqs], chains)
         assert plan is not None and plan.bucket == bucket
@@ -159,6 +187,15 @@ class TargetChain:
             self._statics[bucket] = static
         return static
 
+    def _sampling_buffers(self, static: _Static) -> torch.Tensor:
+        """The bucket's sampled-row mask, allocated with its coins and noise at first use."""
+        if static.sampled is None:
+            bs, vocab = static.base.shape[0], self.target.logits.shape[-1]
+            static.sampled = torch.zeros(bs, dtype=torch.bool, device=self.device)
+            static.coins = torch.zeros(bs, self.sampling.coin_block, device=self.device)
+            static.race = torch.ones(bs, vocab, device=self.device)
+        return static.sampled
+
     @torch.inference_mode()
     def launch(self) -> None:
         """Queues the verify over ``chains``, the verdict and its copy out, and ``outcome``."""
@@ -172,14 +209,20 @@ class TargetChain:
             torch.randn(
                 bucket.batch_size, device=self.device, generator=self.generator, out=static.noise
             )
+        if self._filters is not None:
+            assert static.coins is not None and static.race is not None
+            self.sampling.draw(self._generators, static.coins, static.race)
+            self.sampled_steps += 1
         if self.target.use_graphs:
-            if static.graph is None or static.bound != self.outcome.base.data_ptr():
+            key = None if self._filters is None else self._filters[0]
+            graph, bound = static.graphs.get(key, (None, 0))
+            if graph is None or bound != self.outcome.base.data_ptr():
                 base = static.base.clone()  # capture runs the step once: it must not count
                 pool = torch.cuda.graph_pool_handle()
-                static.graph = capture_graph(self.device, pool, partial(self._step, static))
+                graph = capture_graph(self.device, pool, partial(self._step, static))
                 static.base.copy_(base)
-                static.bound = self.outcome.base.data_ptr()
-            static.graph.replay()
+                static.graphs[key] = (graph, self.outcome.base.data_ptr())
+            graph.replay()
         else:
             self._step(static)
         slot = self._next_slot
@@ -207,6 +250,8 @@ class TargetChain:
         )  # fmt: skip
         self.target.forward_static(bucket)
         logits = self.target.logits[: bs * w]
+        if self._filters is not None:  # greedy rows: their logits in float32, unchanged
+            logits = process_logits(logits, self._filters[1], None)
         ids, logprobs, _ = ops.top1(logits)
         choice = ids.view(bs, w)
         drafts = static.chains.tokens[:, 1:]
@@ -219,6 +264,16 @@ class TargetChain:
             accepted = torch.cumprod(((drafts == choice[:, :s]) & valid).long(), 1).sum(1)
         shifted = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], 1)
         new = torch.where(j < accepted[:, None], shifted, choice)  # [bs, S+1]
+        if self._filters is not None and self.generator is None:
+            assert static.sampled is not None and static.coins is not None
+            assert static.race is not None
+            drawn_accepted, bonus = sampled_verdict(
+                logits, drafts, valid, static.coins, static.race
+            )
+            sampled = static.sampled
+            accepted = torch.where(sampled, drawn_accepted, accepted)
+            new = torch.where(j < accepted[:, None], shifted, choice)
+            new = torch.where(sampled[:, None] & (j == accepted[:, None]), bonus[:, None], new)
         # A token's log-probability: its logit minus logsumexp = argmax logit - argmax logprob.
         rows = logits.view(bs, w, -1)
         top = rows.gather(2, choice[..., None])[..., 0]
@@ -268,3 +323,4 @@ class TargetChain:
     def end(self) -> None:
         self.request_ids = []
         self.chains = self.outcome = None
+        self._filters, self._generators = None, []

@@ -12,7 +12,7 @@ cycle. A run of device-chain steps keeps the cycle's state on the device instead
 
 One launch queues, with no host read in between: the target's verify graph, its ids,
 positions, slots and lengths written from ``base`` on the device (a chain needs no KV move:
-node i already sits at L-1+i); the greedy verdict (``top1`` per node, the accepted prefix, the
+node i already sits at L-1+i); the verdict (``top1`` per node, the accepted prefix, the
 new tokens and their log-probabilities, or the simulated accept length) and its copy to pinned
 memory; the draft's extend over the accepted pairs (rows past the accept length store nothing
 and see nothing); the draft loop from the new base, whose chain is the next step's input. The
@@ -38,14 +38,15 @@ process, ``tandem/link/chain_remote.py`` for a draft service on the same device)
 through two buffers on the device (``Outcome``, ``Chains``). This module drives both halves and
 keeps the run's host bookkeeping.
 
-A run starts only in the steady state (``can_start``): every running request decoding
-greedily without penalties (in any lane), each tracked by a drafter that takes the draft's
-half (``Drafter.chain_half``: an in-process drafter with draft graphs and one module, or a
-draft service on this device) and holding a chain tree, no prompt waiting that could start
-(one waiting for a free sequence slot waits for a finish anyway: ``can_take_waiting``), graph
-buckets for the batch, context for three more steps (``max_new_tokens`` needs none: a request
-that passes it finishes at the read, its extra tokens dropped). The engine ends it when any of
-that changes (``tandem/target/chain_mode.py``).
+A run starts only in the steady state (``can_start``): every running request decoding with
+plain parameters (``SamplingParams.plain``: greedy, or sampled with temperature and filters;
+in any lane), each tracked by a drafter that takes the draft's half (``Drafter.chain_half``:
+an in-process drafter with draft graphs and one module, or a draft service on this device)
+and holding a chain tree, no prompt waiting that could start (one waiting for a free
+sequence slot waits for a finish anyway: ``can_take_waiting``), graph buckets for the batch,
+context for three more steps (``max_new_tokens`` needs none: a request that passes it
+finishes at the read, its extra tokens dropped). The engine ends it when any of that changes
+(``tandem/target/chain_mode.py``).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class DeviceChain:
         self.num_steps = spec.num_steps
         self.width = spec.num_steps + 1
         self.max_model_len = max_model_len
-        self.target = TargetChain(target, kv, self.num_steps, simulator)
+        self.target = TargetChain(target, kv, self.num_steps, simulator, spec.tree_size)
         self.draft = drafter.chain_half(spec.num_steps, target.device)
         self.lost = 0  # runs that ended without the draft's half of their last step
         self.reqs: list[Request] = []  # the run's requests, in row order ([] when idle)
@@ -157,7 +158,7 @@ class DeviceChain:
             req.decoding
             and req.in_draft
             and not req.parked
-            and p.plain_greedy
+            and p.plain
             and has_chain
             and self.draft.eligible(req.request_id, req.num_tokens)
             and self.has_room(req.num_tokens)

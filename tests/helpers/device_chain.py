@@ -14,10 +14,11 @@ from tests.kernels._interpret import DEVICE  # sets Triton's mode: import first
 # isort: split
 from tandem.config import EngineConfig
 from tandem.sampling import SamplingParams
+from tandem.spec.types import SpecConfig
 from tandem.target.engine import Engine
 from tandem.target.graphs import graph_widths
 from tests.driving import Arrival, arrivals, drive
-from tests.spec.conftest import VOCAB, Checkpoints
+from tests.spec.conftest import VOCAB, Checkpoints, make_drafter
 
 BATCH_SIZES = (1, 2, 4)
 # A request alone first (a long run), then arrivals that end runs and pad batches.
@@ -113,3 +114,47 @@ def abort_storm(
         engine.step()
         step += 1
     return storm
+
+
+def chain_engine(
+    ckpts: Checkpoints,
+    kind: str,
+    num_steps: int,
+    *,
+    page_size: int = 4,
+    simulate: float | None = None,
+    capture: bool = False,
+    max_model_len: int = 128,  # page tables (and interpreted attention's splits) stay small
+    max_num_seqs: int = max(BATCH_SIZES),
+) -> Engine:
+    drafter = make_drafter(ckpts, kind, str(DEVICE), page_size, 2048 // page_size)
+    config = EngineConfig(
+        model=ckpts.target,
+        device=str(DEVICE),
+        page_size=page_size,
+        num_pages=4096 // page_size,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        cuda_graphs=capture,
+        cuda_graph_batch_sizes=BATCH_SIZES,
+        simulate_accept_length=simulate,
+        device_chain=capture,
+    )
+    engine = Engine(config, drafter=drafter, spec=SpecConfig(num_steps=num_steps, topk=1))
+    if not capture:  # the same buffers and buckets, run eagerly
+        static_target_buckets(engine, num_steps, drafter.target_layer_ids)
+        drafter.enable_graphs(
+            batch_sizes=BATCH_SIZES,
+            max_model_len=engine.max_model_len,
+            num_steps=(num_steps,),
+            capture=False,
+        )
+        engine.enable_device_chain()
+    return engine
+
+
+def check_pools_empty(engine: Engine) -> None:
+    drafter = engine.drafter
+    assert drafter is not None and drafter.num_tracked() == 0
+    for kv in getattr(drafter, "kvs"):  # noqa: B009
+        assert kv.allocator.num_free_pages == kv.allocator.num_pages, "draft KV leaked"

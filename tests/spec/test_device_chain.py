@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: import first
+from tests.kernels._interpret import check_mode  # sets Triton's mode: import first
 
 # isort: split
 from kernels.attention import _tree_attention_kernel
@@ -27,6 +27,8 @@ from tests.helpers.device_chain import (  # noqa: F401 (reference: a fixture)
     BATCH_SIZES,
     PLAN,
     abort_storm,
+    chain_engine,
+    check_pools_empty,
     reference,
     reference_tokens,
     run_in_two_lanes,
@@ -37,53 +39,9 @@ from tests.spec.conftest import VOCAB, Checkpoints, make_drafter
 check_mode(_tree_attention_kernel)
 
 
-def chain_engine(
-    ckpts: Checkpoints,
-    kind: str,
-    num_steps: int,
-    *,
-    page_size: int = 4,
-    simulate: float | None = None,
-    capture: bool = False,
-    max_model_len: int = 128,  # page tables (and interpreted attention's splits) stay small
-    max_num_seqs: int = max(BATCH_SIZES),
-) -> Engine:
-    drafter = make_drafter(ckpts, kind, str(DEVICE), page_size, 2048 // page_size)
-    config = EngineConfig(
-        model=ckpts.target,
-        device=str(DEVICE),
-        page_size=page_size,
-        num_pages=4096 // page_size,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        cuda_graphs=capture,
-        cuda_graph_batch_sizes=BATCH_SIZES,
-        simulate_accept_length=simulate,
-        device_chain=capture,
-    )
-    engine = Engine(config, drafter=drafter, spec=SpecConfig(num_steps=num_steps, topk=1))
-    if not capture:  # the same buffers and buckets, run eagerly
-        static_target_buckets(engine, num_steps, drafter.target_layer_ids)
-        drafter.enable_graphs(
-            batch_sizes=BATCH_SIZES,
-            max_model_len=engine.max_model_len,
-            num_steps=(num_steps,),
-            capture=False,
-        )
-        engine.enable_device_chain()
-    return engine
-
-
-def check_pools_empty(engine: Engine) -> None:
-    drafter = engine.drafter
-    assert drafter is not None and drafter.num_tracked() == 0
-    for kv in getattr(drafter, "kvs"):  # noqa: B009
-        assert kv.allocator.num_free_pages == kv.allocator.num_pages, "draft KV leaked"
-
-
 @pytest.mark.parametrize(
     ("kind", "num_steps", "page_size"),
-    [("eagle3", 3, 4), ("eagle", 5, 4), ("eagle3", 3, 1), ("model", 3, 16)],
+    [("eagle3", 3, 4), ("eagle", 5, 4), ("eagle3", 3, 1), ("model", 3, 16), ("eagle3", 1, 4)],
 )
 def test_device_chain_output_equals_target_only(
     ckpts: Checkpoints,
