@@ -1,6 +1,7 @@
 """What the device-chain tests share (in process and through a draft service): the batch
-sizes its buckets cover, a plan of arrivals that starts and ends runs, the target's buckets
-run eagerly on their static buffers, and target-only references."""
+sizes its buckets cover, plans of arrivals that start and end runs (greedy; greedy and sampled
+mixed), the engines (the target's buckets run eagerly on their static buffers; the ordinary
+cycle with the same draft), and target-only references."""
 
 from __future__ import annotations
 
@@ -158,3 +159,22 @@ def check_pools_empty(engine: Engine) -> None:
     assert drafter is not None and drafter.num_tracked() == 0
     for kv in getattr(drafter, "kvs"):  # noqa: B009
         assert kv.allocator.num_free_pages == kv.allocator.num_pages, "draft KV leaked"
+
+
+# Greedy and sampled requests arriving while others run, so runs start and end with both;
+# the greedy one runs on alone at the end.
+MIXED = [
+    Arrival(step=0, prompt=[5, 9, 17, 4, 250, 31], max_new_tokens=30, temperature=0.8),
+    Arrival(step=3, prompt=[8, 8, 40, 3], max_new_tokens=64),
+    Arrival(step=9, prompt=[77, 12, 9], max_new_tokens=24, temperature=1.0, top_p=0.9),
+    Arrival(step=12, prompt=[21, 4, 4, 100, 6], max_new_tokens=20, temperature=0.7, top_k=20),
+]
+
+
+def ordinary_engine(ckpts: Checkpoints, num_steps: int) -> Engine:
+    """The same draft and chains, every step an ordinary one."""
+    drafter = make_drafter(ckpts, "eagle3", str(DEVICE), 4, 512)
+    config = EngineConfig(
+        model=ckpts.target, device=str(DEVICE), page_size=4, num_pages=1024, cuda_graphs=False
+    )
+    return Engine(config, drafter=drafter, spec=SpecConfig(num_steps=num_steps, topk=1))

@@ -4,7 +4,8 @@ worker thread, its local socket, the messages of docs/device-cycle.md, and the `
 ``Chains`` buffers and the prompt buffer in shared memory (the CPU stand-in for CUDA IPC;
 buckets run eagerly on their static buffers, Triton interpreted).
 
-Greedy output must equal target-only output while runs start and end with arrivals; a draft
+Greedy output must equal target-only output while runs start and end with arrivals (sampled
+output: the ordinary cycle's, seed for seed); a draft
 that stops answering mid-run costs its requests their speculation, never a token.
 """
 
@@ -34,8 +35,10 @@ from tandem.v1 import draft_pb2
 from tests.driving import drive
 from tests.helpers.device_chain import (  # noqa: F401 (reference: a fixture)
     BATCH_SIZES,
+    MIXED,
     PLAN,
     abort_storm,
+    ordinary_engine,
     reference,
     reference_tokens,
     run_in_two_lanes,
@@ -113,6 +116,22 @@ def test_the_hellos_choose_shared_memory(ckpts: Checkpoints, draft: ServerThread
         assert link is not None and link.chain_transport == draft_pb2.TENSOR_TRANSPORT_SHM
         assert link.ring is not None and link.ring.buffer.numel() == PROMPT_MB << 20
         assert engine.drafter is not None and engine.drafter.shares_prompts
+    finally:
+        _close(engine)
+
+
+def test_sampled_requests_through_the_service_sample_as_the_ordinary_cycle(
+    ckpts: Checkpoints, draft: ServerThread
+) -> None:
+    """Seeded sampled requests beside a greedy one: the tokens of the ordinary cycle in
+    process (tests/spec/test_device_chain_sampling.py), the draft's half in the service."""
+    expected, _ = drive(ordinary_engine(ckpts, NUM_STEPS), MIXED)
+    engine = remote_chain_engine(ckpts, draft.address)
+    try:
+        outputs, _ = drive(engine, MIXED)
+        assert outputs == expected
+        chain = engine.chain
+        assert chain is not None and chain.target.sampled_steps >= 10, chain.target.sampled_steps
     finally:
         _close(engine)
 

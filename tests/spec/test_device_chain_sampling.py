@@ -12,36 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels._interpret import DEVICE  # sets Triton's mode: import first
+import tests.kernels._interpret  # noqa: F401 (sets Triton's mode: import first)
 
 # isort: split
 from kernels.reference import build_tree_ref, verify_sampling_ref
-from tandem.config import EngineConfig
-from tandem.spec.types import SpecConfig
 from tandem.target.chain_sampling import sampled_verdict
-from tandem.target.engine import Engine
-from tests.driving import Arrival, drive
-from tests.helpers.device_chain import chain_engine, check_pools_empty
+from tests.driving import drive
+from tests.helpers.device_chain import MIXED, chain_engine, check_pools_empty, ordinary_engine
 from tests.helpers.sampling import CHI2_CRITICAL_999
-from tests.spec.conftest import Checkpoints, make_drafter
-
-# Greedy and sampled requests arriving while others run, so runs start and end with both;
-# the greedy one runs on alone at the end.
-MIXED = [
-    Arrival(step=0, prompt=[5, 9, 17, 4, 250, 31], max_new_tokens=30, temperature=0.8),
-    Arrival(step=3, prompt=[8, 8, 40, 3], max_new_tokens=64),
-    Arrival(step=9, prompt=[77, 12, 9], max_new_tokens=24, temperature=1.0, top_p=0.9),
-    Arrival(step=12, prompt=[21, 4, 4, 100, 6], max_new_tokens=20, temperature=0.7, top_k=20),
-]
-
-
-def ordinary_engine(ckpts: Checkpoints, num_steps: int) -> Engine:
-    """The same draft and chains, every step an ordinary one."""
-    drafter = make_drafter(ckpts, "eagle3", str(DEVICE), 4, 512)
-    config = EngineConfig(
-        model=ckpts.target, device=str(DEVICE), page_size=4, num_pages=1024, cuda_graphs=False
-    )
-    return Engine(config, drafter=drafter, spec=SpecConfig(num_steps=num_steps, topk=1))
+from tests.spec.conftest import Checkpoints
 
 
 def test_sampled_requests_run_in_device_chain_runs_with_their_own_random_streams(
