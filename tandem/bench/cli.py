@@ -91,6 +91,13 @@ def bench(
         int, typer.Option(help="Tokens of a warm-up round before each measurement (0: none).")
     ] = 16,
     rounds: Annotated[int, typer.Option(help="Measured rounds per mode and batch size.")] = 1,
+    temperature: Annotated[
+        float,
+        typer.Option(
+            help="Every request's temperature: 0 decodes greedily; above it the requests "
+            "sample (each with its own seeded stream; transformers' rows are skipped)."
+        ),
+    ] = 0.0,
     draft_device: Annotated[
         str | None,
         typer.Option(help="The draft service's device, e.g. cuda:1 (default: --device)."),
@@ -173,6 +180,7 @@ def bench(
                 warmup_tokens=warmup_tokens,
                 rounds=rounds,
                 token_ids=token_ids,
+                temperature=temperature,
             ),
             prompts_from=None if prompts is None else _shown(prompts),
             spec_steps=settings["spec_steps"],

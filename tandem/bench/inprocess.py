@@ -35,6 +35,7 @@ class Workload:
     rounds: int  # measured rounds of batch_size concurrent requests
     # Real prompts (token ids, each at most prompt_len long); empty: synthetic ids.
     token_ids: tuple[tuple[int, ...], ...] = ()
+    temperature: float = 0.0  # every request's; > 0: sampled, each request seeded by the engine
 
     def batch(self, vocab: int, batch_size: int, salt: int = 0) -> list[list[int]]:
         """A round's prompts: the real ones in turn from round ``salt``'s place (cycling
@@ -146,14 +147,14 @@ def run(
     ``steps_file``, every measured step as one JSON line (mode, requests, tokens, times)."""
     vocab = engine.model.config.vocab_size
     if w.warmup_tokens:
-        _round(engine, w.batch(vocab, batch_size, salt=99), w.warmup_tokens)
+        _round(engine, w.batch(vocab, batch_size, salt=99), w.warmup_tokens, w.temperature)
     steps = _Steps([], [], [])
     stats: list[SpecStats] = []
     tpots: list[float] = []
     ttfts: list[float] = []
     duration, tokens = 0.0, 0
     for r in range(w.rounds):
-        out = _round(engine, w.batch(vocab, batch_size, salt=r), w.new_tokens, steps)
+        out = _round(engine, w.batch(vocab, batch_size, salt=r), w.new_tokens, w.temperature, steps)
         duration += out.duration
         tokens += out.tokens
         stats += out.stats
@@ -220,9 +221,13 @@ class _Round:
 
 
 def _round(
-    engine: Engine, batch: list[list[int]], new_tokens: int, steps: _Steps | None = None
+    engine: Engine,
+    batch: list[list[int]],
+    new_tokens: int,
+    temperature: float,
+    steps: _Steps | None = None,
 ) -> _Round:
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=temperature)
     clock: Callable[[], float] = time.perf_counter
     start = clock()
     ids = [engine.add_request(p, params) for p in batch]

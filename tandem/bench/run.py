@@ -91,6 +91,8 @@ class BenchConfig:
         w = self.workload
         if w.prompt_len < 1 or w.new_tokens < 2 or w.rounds < 1 or w.warmup_tokens < 0:
             raise ValueError("workload: prompt_len >= 1, new_tokens >= 2, rounds >= 1")
+        if not w.temperature >= 0.0:
+            raise ValueError(f"temperature: must be >= 0 (0: greedy), got {w.temperature}")
         _ = self.spec  # validates S, K and N (InvalidRequest is a ValueError)
         simulated = self.simulate_accept_length
         if simulated is not None and not 1.0 <= simulated <= self.spec_steps + 1:
@@ -135,6 +137,9 @@ def run_bench(
         "Prompts": _prompts(config),
         "Prompt / new tokens": f"{w.prompt_len} / {w.new_tokens}",
         "Rounds per batch size": w.rounds,
+        "Temperature": f"{w.temperature:g} (sampled, seeded per request)"
+        if w.temperature
+        else "0 (greedy)",
         "Simulated accept length": _simulated(config.simulate_accept_length, config.chain),
         "Copy bandwidth (GB/s)": round(bandwidth / 1e9, 1),
         "Weights read per step (GB)": round(weight_bytes(model_config, dtype) / 1e9, 3),
@@ -198,7 +203,7 @@ def _prompts(config: BenchConfig) -> str:
     lengths = sorted(len(p) for p in w.token_ids)
     return (
         f"{config.prompts_from or 'given'}: {len(lengths)}, {lengths[0]}-{lengths[-1]} tokens "
-        f"(median {lengths[len(lengths) // 2]}), greedy"
+        f"(median {lengths[len(lengths) // 2]}), {'sampled' if w.temperature else 'greedy'}"
     )
 
 
@@ -401,6 +406,9 @@ def _transformers(config: BenchConfig, say: Callable[[str], None]) -> list[Row]:
     say(f"loading {config.target} in transformers")
     model = hf.load(config.target, config.dtype, config.device)
     rows = []
+    if config.workload.temperature:
+        note = "skipped: transformers' rows are greedy (--temperature 0)"
+        return [Row(mode=mode, batch_size=0, note=note) for mode in ("hf-generate", "hf-assisted")]
     for bs in config.batch_sizes:
         say(f"hf-generate bs={bs}")
         rows.append(hf.run(model, bs, config.workload))

@@ -205,7 +205,7 @@ async def _gateway_round(
         request = gateway_pb2.GenerateRequest(
             token_ids=gateway_pb2.TokenIds(ids=ids),
             sampling=common_pb2.SamplingParams(
-                temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True
+                temperature=w.temperature, max_new_tokens=new_tokens, ignore_eos=True
             ),
             stream_options=gateway_pb2.StreamOptions(detokenize=False),
         )
@@ -315,7 +315,7 @@ async def _control_round(
             request_id=f"bench-{salt}-{i}",
             prompt_token_ids=ids,
             sampling=common_pb2.SamplingParams(
-                temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True
+                temperature=w.temperature, max_new_tokens=new_tokens, ignore_eos=True
             ),
         )
         admit.speculation.enabled = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,21 @@ def test_trees_in_process_with_simulated_and_real_acceptance(tiny: tuple[Path, P
     # The trained pair accepts far more than one draft a step; a random pair would not.
     assert real.accept_length is not None and real.accept_length > 2.5, real
     assert (chain.batch_size, chain.note) == (0, "skipped: needs CUDA graphs")
+
+
+def test_sampled_requests_through_every_mode(tiny: tuple[Path, Path]) -> None:
+    """``--temperature``: every request samples, in process and through the services (chains:
+    device-chain runs where they can run); transformers' rows say they are greedy."""
+    config = tiny_config(tiny, ("target-only", "spec", "services", "hf"))
+    w = replace(config.workload, temperature=0.8)
+    config = replace(config, workload=w, spec_steps=3, spec_topk=1, spec_tokens=None)
+    header, rows = run_bench(config)
+    assert header["Temperature"] == "0.8 (sampled, seeded per request)"
+    by_mode = {row.mode: row for row in rows}
+    for mode in ("target-only", "spec", "services", "services-control"):
+        assert by_mode[mode].output_tokens == 2 * NEW_TOKENS, by_mode[mode]
+    assert by_mode["spec"].accept_length is not None and by_mode["spec"].accept_length > 1.5
+    assert by_mode["hf-generate"].note == "skipped: transformers' rows are greedy (--temperature 0)"
 
 
 @pytest.mark.slow
