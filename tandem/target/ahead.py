@@ -18,9 +18,13 @@ What the host knows one step late, and how it stays exact:
   written before any later step can reuse them: one stream orders them).
 - A request aborted while its step is in flight is skipped at the read.
 
-Decoding ahead covers greedy rows without penalties (the choice is ``top1`` on the device).
-Anything else (a waiting request, a prompt chunk, sampling, a speculative step, a full pool)
-first reads the step in flight, then runs the ordinary synchronous step.
+Decoding ahead covers rows with plain parameters (``SamplingParams.plain``): greedy ones take
+``top1`` on the device; sampled ones (temperature, top-k, top-p, min-p) the exponential race
+over their processed distribution, from their own generator drawn on the stream at launch in
+the blocks the ordinary step draws (``coin_block`` coins, unused by a tree of one node, then
+one Exp(1) vector), so a seeded request's tokens do not depend on the path. Anything else (a
+waiting request, a prompt chunk, penalties, a speculative step, a full pool) first reads the
+step in flight, then runs the ordinary synchronous step.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.request import Request
+from tandem.sampling import SamplingBatch, process_logits
 from tandem.spec.types import NoTree
 from tandem.spec.verify import Verified, decode_greedy
 from tandem.target.runner import ModelInputs, ModelOutputs
@@ -61,10 +66,16 @@ class InFlight:
         ]
 
 
-def launch(batch: ScheduledBatch, inputs: ModelInputs, outputs: ModelOutputs) -> InFlight:
+def launch(
+    batch: ScheduledBatch, inputs: ModelInputs, outputs: ModelOutputs, coin_block: int = 1
+) -> InFlight:
     """Chooses each row's token on the device after a launched forward and queues the copy of
-    the choices to the host; the step is then in flight."""
-    ids, logprobs = decode_greedy(outputs.logits)
+    the choices to the host; the step is then in flight. ``coin_block``: the coins a sampled
+    row's ordinary step draws (the engine's tree size)."""
+    if all(req.params.greedy for req in batch.requests):
+        ids, logprobs = decode_greedy(outputs.logits)
+    else:
+        ids, logprobs = _sample(outputs.logits, batch.requests, coin_block)
     on_cuda = ids.device.type == "cuda"
     step = InFlight(
         batch=batch,
@@ -82,9 +93,37 @@ def launch(batch: ScheduledBatch, inputs: ModelInputs, outputs: ModelOutputs) ->
     return step
 
 
+def _sample(
+    logits: torch.Tensor,  # [bs, V]
+    reqs: list[Request],
+    coin_block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [bs] int64 choices, [bs] float32 log-probabilities
+    """Each row's token as ``tandem.spec.verify`` commits a tree of one node: greedy rows
+    the target's choice, sampled rows the race ``argmax(p / E)`` with E ~ Exp(1) from the
+    request's generator."""
+    device = logits.device
+    params = [req.params for req in reqs]
+    generators = [req.generator for req in reqs]
+    processed = process_logits(logits, SamplingBatch.build(params, generators, device), None)
+    choice, top_logprobs = decode_greedy(processed)
+    coins = torch.empty(coin_block, device=device)
+    noise = torch.ones_like(processed)
+    for row, req in enumerate(reqs):
+        if not req.params.greedy:
+            coins.uniform_(generator=req.generator)  # the ordinary step's draws, in order
+            noise[row].exponential_(generator=req.generator)
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    probs = processed.softmax(dim=-1)
+    race = torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
+    sampled = torch.tensor([not p.greedy for p in params], device=device)
+    ids = torch.where(sampled, race, choice)
+    picked = processed.gather(1, ids[:, None])[:, 0] - torch.logsumexp(processed, dim=-1)
+    return ids, torch.where(sampled, picked, top_logprobs)
+
+
 def eligible(req: Request) -> bool:
-    """Whether ``req`` may decode ahead: greedy, no logits processor, no tree."""
-    return req.tree is None and req.params.plain_greedy
+    """Whether ``req`` may decode ahead: plain parameters (greedy or sampled), no tree."""
+    return req.tree is None and req.params.plain
 
 
 def finishes_by_length(req: Request, max_model_len: int) -> bool:
@@ -102,8 +141,8 @@ def next_requests(
     max_num_batched_tokens: int,
 ) -> list[Request] | None:
     """The requests of the next step if it may decode ahead (their next KV slot reserved),
-    else None: every running request decodes greedily without a tree, nobody waits to be
-    admitted, and a step in flight holds every running request."""
+    else None: every running request decodes with plain parameters without a tree, nobody
+    waits to be admitted, and a step in flight holds every running request."""
     running = scheduler.running
     if scheduler.waiting and len(running) < max_num_seqs:
         return None

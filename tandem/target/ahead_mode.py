@@ -18,7 +18,7 @@ from tandem.transfer import device_ints
 
 
 class AheadMode(StepMode):
-    """Plain greedy decode steps, each launched before the last one is read."""
+    """Plain decode steps, each launched before the last one is read."""
 
     def __init__(
         self,
@@ -31,7 +31,9 @@ class AheadMode(StepMode):
         max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        coin_block: int = 1,
     ) -> None:
+        """``coin_block``: the coins a sampled request's ordinary step draws (``ahead``)."""
         self.scheduler = scheduler
         self.runner = runner
         self.drafter = drafter
@@ -40,6 +42,7 @@ class AheadMode(StepMode):
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.coin_block = coin_block
         self.in_flight: ahead.InFlight | None = None  # the step launched and not read yet
         self.launches = 0  # steps launched before the last one was read
 
@@ -86,7 +89,7 @@ class AheadMode(StepMode):
         outputs = self.runner.forward(inputs, layers)
         for req in reqs:
             req.num_computed += 1
-        self.in_flight = ahead.launch(batch, inputs, outputs)
+        self.in_flight = ahead.launch(batch, inputs, outputs, self.coin_block)
         self.in_flight.plain = plan.plain or NoTree.POLICY
         self.launches += 1
         forward_ns = time.perf_counter_ns() - launched

@@ -131,6 +131,7 @@ class Engine:
             max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            coin_block=spec.tree_size if spec is not None else 1,
         )
         self.sync = SyncMode(
             scheduler=self.scheduler,

@@ -1,8 +1,8 @@
 """Decoding ahead (tandem/target/ahead.py): the target-only engine launches each plain decode step
 before reading the last one. Outputs equal the synchronous engine and transformers whatever
 happens while a step is in flight: a stop token (the request's next row is computed and
-dropped), a length limit (known at launch), an abort, a new arrival, a sampled request, a full
-pool."""
+dropped), a length limit (known at launch), an abort, a new arrival, a full pool; sampled
+requests decode ahead too, seed for seed as synchronously; a penalised one holds the batch."""
 
 from __future__ import annotations
 
@@ -89,19 +89,37 @@ def test_ahead_equals_synchronous_and_transformers(ckpt: Path) -> None:
     assert flight is None or all(r.finished for r in flight.batch.requests)
 
 
-def test_sampled_or_penalised_requests_step_synchronously(ckpt: Path) -> None:
+def test_sampled_requests_decode_ahead_with_their_own_random_streams(ckpt: Path) -> None:
+    """Seeded sampled requests (temperature, top-k, top-p) beside greedy ones: the tokens of
+    the synchronous engine, most steps launched ahead."""
+    ps = prompts(4, seed=5)
+    work = [
+        (ps[0], greedy(16)),
+        (ps[1], SamplingParams(max_new_tokens=16, temperature=0.8, seed=7, ignore_eos=True)),
+        (ps[2], SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=8)),
+        (ps[3], SamplingParams(max_new_tokens=14, temperature=0.6, top_k=20, seed=9)),
+    ]
+    outs = []
+    for overlap in (False, True):
+        eng = engine(ckpt, overlap=overlap)
+        res = eng.generate([p for p, _ in work], [sp for _, sp in work])
+        outs.append([r.token_ids for r in res])
+    assert eng.ahead.launches >= 8, eng.ahead.launches
+    assert outs[0] == outs[1]
+    assert len(set(map(tuple, outs[1][1:]))) == 3
+
+
+def test_penalised_requests_step_synchronously(ckpt: Path) -> None:
     ps = prompts(3, seed=5)
-    sampled = SamplingParams(max_new_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
     penalised = greedy(16, repetition_penalty=1.3)
-    for other in (sampled, penalised):
-        work = [(ps[0], greedy(16)), (ps[1], other), (ps[2], greedy(16))]
-        outs = []
-        for overlap in (False, True):
-            eng = engine(ckpt, overlap=overlap)
-            res = eng.generate([p for p, _ in work], [sp for _, sp in work])
-            outs.append([r.token_ids for r in res])
-            assert eng.ahead.launches == 0  # one request that cannot decode ahead holds the batch
-        assert outs[0] == outs[1]
+    work = [(ps[0], greedy(16)), (ps[1], penalised), (ps[2], greedy(16))]
+    outs = []
+    for overlap in (False, True):
+        eng = engine(ckpt, overlap=overlap)
+        res = eng.generate([p for p, _ in work], [sp for _, sp in work])
+        outs.append([r.token_ids for r in res])
+        assert eng.ahead.launches == 0  # one request that cannot decode ahead holds the batch
+    assert outs[0] == outs[1]
 
 
 @pytest.mark.slow  # the engine and transformers' generate on CPU
