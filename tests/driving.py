@@ -26,6 +26,7 @@ class Arrival:
     temperature: float = 0.0  # 0: greedy; else sampled with a seed from the arrival's step
     top_k: int = 0
     top_p: float = 1.0
+    speculate: bool = True  # False: the request opts out of speculation
 
 
 def arrivals(
@@ -60,7 +61,7 @@ def drive(engine: Engine, plan: Sequence[Arrival]) -> tuple[list[list[int]], int
                 top_p=a.top_p,
                 seed=a.step if a.temperature else None,
             )
-            ids.append(engine.add_request(a.prompt, params))
+            ids.append(engine.add_request(a.prompt, params, speculate=a.speculate))
         engine.step()
         steps += 1
     engine.flush_draft()

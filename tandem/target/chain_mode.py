@@ -130,8 +130,9 @@ class ChainMode(StepMode):
     def _commit(self, reads: list[ChainRead], stats: SpecStats) -> list[RequestOutput]:
         """A read step's tokens and statistics (its KV progress is the chain's)."""
         for read in reads:
+            missed = NoTree.LATE if read.request.speculate else NoTree.OPTED_OUT
             for counts in (read.request.stats, stats):
-                counts.record(read.drafted, read.accepted, NoTree.LATE)
+                counts.record(read.drafted, read.accepted, missed)
         batch = ScheduledBatch(
             requests=[r.request for r in reads], num_new_tokens=[len(r.new_tokens) for r in reads]
         )

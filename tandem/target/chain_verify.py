@@ -57,6 +57,7 @@ class _Static:
 
     base: torch.Tensor  # [bs] int64: KV index of each row's node 0
     alive: torch.Tensor  # [bs] bool
+    drafted: torch.Tensor  # [bs] bool: rows the draft drafts for (the others opted out)
     noise: torch.Tensor  # [bs] float32: the simulator's draw for the step
     verdict: torch.Tensor  # [bs, 2 + 2(S+1)] float64: accepted, drafted, tokens, logprobs
     chains: Chains
@@ -133,22 +134,29 @@ class TargetChain:
         """The ``Chains`` buffers of ``bucket`` (the draft half writes them), nothing written."""
         return self._static(bucket).chains
 
-    def begin(self, reqs: Sequence[Request], bucket: Bucket) -> Chains:
+    def begin(self, reqs: Sequence[Request], bucket: Bucket, drafted: int | None = None) -> Chains:
         """Stages the verify bucket for a run of ``reqs`` (reserved already) with their trees
-        as the first step's chains, and returns the ``Chains`` buffers the draft half writes."""
+        as the first step's chains, and returns the ``Chains`` buffers the draft half writes.
+        ``drafted``: the first rows the draft drafts for (all when not given); the others
+        opted out of speculation: each verifies node 0 alone, whatever the draft writes."""
+        drafted = len(reqs) if drafted is None else drafted
         self.request_ids = [r.request_id for r in reqs]
         self._bucket = bucket
         bs, n, w = bucket.batch_size, len(reqs), self.width
         tokens, valid, chains = [], [], []
-        for req in reqs:
-            assert req.tree is not None
-            drafts = list(req.tree.tokens[1:])
-            tokens.append([req.tree.tokens[0], *drafts, *[0] * (w - 1 - len(drafts))])
+        for row, req in enumerate(reqs):
+            if row < drafted:
+                assert req.tree is not None
+                node0, drafts = req.tree.tokens[0], list(req.tree.tokens[1:])
+            else:
+                node0, drafts = req.tokens[-1], []
+            tokens.append([node0, *drafts, *[0] * (w - 1 - len(drafts))])
             valid.append([k < len(drafts) for k in range(self.num_steps)])
             chains.append(Tree.chain(tokens[-1]))
         missing = bs - n
         static = self._static(bucket)
         static.alive.copy_(torch.tensor([True] * n + [False] * missing))
+        static.drafted.copy_(torch.tensor([True] * drafted + [False] * (bs - drafted)))
         static.base.copy_(torch.tensor([r.num_computed for r in reqs] + [0] * missing))
         static.chains.tokens.copy_(torch.tensor(tokens + [[0] * w] * missing))
         static.chains.valid.copy_(torch.tensor(valid + [[False] * self.num_steps] * missing))
@@ -176,6 +184,7 @@ class TargetChain:
             static = _Static(
                 base=torch.zeros(bs, dtype=torch.int64, device=dev),
                 alive=torch.zeros(bs, dtype=torch.bool, device=dev),
+                drafted=torch.zeros(bs, dtype=torch.bool, device=dev),
                 noise=torch.zeros(bs, device=dev),
                 verdict=torch.zeros(bs, 2 + 2 * w, dtype=torch.float64, device=dev),
                 chains=Chains(
@@ -255,7 +264,7 @@ class TargetChain:
         ids, logprobs, _ = ops.top1(logits)
         choice = ids.view(bs, w)
         drafts = static.chains.tokens[:, 1:]
-        valid = static.chains.valid
+        valid = static.chains.valid & static.drafted[:, None]
         depth = torch.cumprod(valid.long(), 1).sum(1)
         if self.generator is not None:
             drawn = torch.floor(static.noise + self.mu + 0.5).long().clamp(0, s)
@@ -284,7 +293,7 @@ class TargetChain:
         out.base.copy_(base)
         out.accepted.copy_(accepted)
         out.new.copy_(new)
-        out.alive.copy_(alive)
+        out.alive.copy_(alive & static.drafted)  # the draft stores nothing of the others
         if out.features is not None:
             features = self.target.features
             assert features is not None, "target features are not captured"

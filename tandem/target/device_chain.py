@@ -42,11 +42,12 @@ A run starts only in the steady state (``can_start``): every running request dec
 plain parameters (``SamplingParams.plain``: greedy, or sampled with temperature and filters;
 in any lane), each tracked by a drafter that takes the draft's half (``Drafter.chain_half``:
 an in-process drafter with draft graphs and one module, or a draft service on this device)
-and holding a chain tree, no prompt waiting that could start (one waiting for a free
-sequence slot waits for a finish anyway: ``can_take_waiting``), graph buckets for the batch,
-context for three more steps (``max_new_tokens`` needs none: a request that passes it
-finishes at the read, its extra tokens dropped). The engine ends it when any of that changes
-(``tandem/target/chain_mode.py``).
+and holding a chain tree (a request that opted out of speculation is a row of node 0 alone,
+after the draft's rows: the draft never hears of it), no prompt waiting that could start
+(one waiting for a free sequence slot waits for a finish anyway: ``can_take_waiting``), graph
+buckets for the batch, context for three more steps (``max_new_tokens`` needs none: a request
+that passes it finishes at the read, its extra tokens dropped). The engine ends it when any
+of that changes (``tandem/target/chain_mode.py``).
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ class DeviceChain:
         self.draft = drafter.chain_half(spec.num_steps, target.device)
         self.lost = 0  # runs that ended without the draft's half of their last step
         self.reqs: list[Request] = []  # the run's requests, in row order ([] when idle)
+        self.drafted = 0  # its first rows, the draft's; the rest opted out of speculation
+        self.opted_out = 0  # rows of requests that opted out, over the runs started
         # Per row, its length as the device has it (L: node 0 is L - 1) after the last read
         # step: a live request's num_tokens; a finished request's row goes on growing.
         self.lengths: list[int] = []
@@ -149,8 +152,11 @@ class DeviceChain:
 
     def _eligible(self, req: Request, pending: frozenset[str] = frozenset()) -> bool:
         """``pending``: requests whose trees are still being drafted (another lane's), taken
-        as chains the draft will deliver."""
+        as chains the draft will deliver. A request that opted out of speculation runs as a
+        row whose chain is node 0 alone (plain decoding), which the draft does not see."""
         p, tree = req.params, req.tree
+        if not req.speculate:
+            return req.decoding and not req.parked and p.plain and self.has_room(req.num_tokens)
         has_chain = req.request_id in pending or (
             tree is not None and len(tree) <= self.width and tree.is_chain
         )
@@ -175,7 +181,8 @@ class DeviceChain:
             return False
         if self.target_graphs.bucket_for(len(running), self.width) is None:
             return False
-        return all(self._eligible(req, pending) for req in running)
+        speculating = any(req.speculate for req in running)
+        return speculating and all(self._eligible(req, pending) for req in running)
 
     def may_all_finish(self) -> bool:
         """Whether the unread steps may bring every request of the run to its length limit
@@ -215,9 +222,11 @@ class DeviceChain:
         bucket = self.target_graphs.bucket_for(len(reqs), self.width)
         assert bucket is not None and bucket.width == self.width
         self.batch_size = bucket.batch_size
-        self.reqs = list(reqs)
-        self.lengths = [r.num_tokens for r in reqs]
-        self.draft.request_ids = [r.request_id for r in reqs]
+        # The draft's rows first; requests that opted out after them, padding rows to it.
+        self.reqs = [r for r in reqs if r.speculate] + [r for r in reqs if not r.speculate]
+        self.drafted = sum(r.speculate for r in reqs)
+        self.lengths = [r.num_tokens for r in self.reqs]
+        self.draft.request_ids = [r.request_id for r in self.reqs[: self.drafted]]
         if not self._reserve():
             self.reqs, self.lengths = [], []
             return False
@@ -229,17 +238,18 @@ class DeviceChain:
         width = None if features is None else features.shape[1]
         outcome = self.draft.begin(self.draft.request_ids, bucket, features_width=width)
         if outcome is None:  # a draft service refused: the ordinary cycle goes on
-            for req in reqs:
+            for req in self.reqs:
                 self.target.alloc.truncate(req.request_id, req.num_computed)
             self.draft.chains = None
             self.reqs, self.lengths = [], []
             return False
-        self.target.begin(reqs, bucket)
+        self.target.begin(self.reqs, bucket, self.drafted)
         self.target.outcome = self.draft.outcome = outcome
         self.runs += 1
+        self.opted_out += len(self.reqs) - self.drafted
         self._run_launches = self.launches
         log = logger.info if self.runs == 1 else logger.debug  # the first, then DEBUG
-        log("device chain: run %d of %d requests starts", self.runs, len(reqs))
+        log("device chain: run %d of %d requests starts", self.runs, len(self.reqs))
         self._launch()
         return True
 
@@ -256,7 +266,8 @@ class DeviceChain:
     def _reserve(self) -> bool:
         unread, lengths = self.unread, self.lengths
         rows = [(r.request_id, n) for r, n in zip(self.reqs, lengths, strict=True)]
-        return self.target.reserve(rows, unread) and self.draft.reserve(lengths, unread)
+        drafted = lengths[: self.drafted]
+        return self.target.reserve(rows, unread) and self.draft.reserve(drafted, unread)
 
     def _launch(self) -> str:
         self.target.launch()
@@ -277,7 +288,8 @@ class DeviceChain:
             if req.finished:
                 continue
             req.num_computed += v.accepted + 1
-            self.draft.commit(req.request_id, v.new_tokens)
+            if row < self.drafted:
+                self.draft.commit(req.request_id, v.new_tokens)
             reads.append(ChainRead(req, v.new_tokens, v.logprobs, v.drafted, v.accepted))
         return reads
 
@@ -294,12 +306,15 @@ class DeviceChain:
         lost = bool(self.draft.failed)
         trees = self.target.next_trees(len(self.reqs))
         finished = [req.finished for req in self.reqs]
-        self.draft.end(finished)  # an aborted request may be released twice: that is a no-op
-        for req, tree, done in zip(self.reqs, trees, finished, strict=True):
+        # An aborted request may be released twice: that is a no-op.
+        self.draft.end(finished[: self.drafted])
+        for row, (req, tree, done) in enumerate(zip(self.reqs, trees, finished, strict=True)):
             if done:
                 req.in_draft = False
                 continue
             self.target.alloc.truncate(req.request_id, req.num_computed)
+            if row >= self.drafted:  # opted out: no tree, as before the run
+                continue
             if lost:  # the draft released it: it decodes without trees until taken in again
                 req.in_draft = False
                 req.tree = None

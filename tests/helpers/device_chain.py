@@ -6,7 +6,7 @@ cycle with the same draft), and target-only references."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -30,6 +30,10 @@ PLAN = [
         for a in arrivals(3, VOCAB, every=8, new_tokens=(6, 36), seed=3)
     ),
 ]
+
+
+# ``PLAN`` with every other request opted out of speculation (the same greedy output).
+OPTED_OUT = [replace(a, speculate=n % 2 == 0) for n, a in enumerate(PLAN)]
 
 
 def static_target_buckets(engine: Engine, num_steps: int, layers: tuple[int, ...]) -> None:
@@ -161,11 +165,12 @@ def check_pools_empty(engine: Engine) -> None:
         assert kv.allocator.num_free_pages == kv.allocator.num_pages, "draft KV leaked"
 
 
-# Greedy and sampled requests arriving while others run, so runs start and end with both;
-# the greedy one runs on alone at the end.
+# Greedy and sampled requests (one opted out of speculation) arriving while others run, so
+# runs start and end with each kind; the greedy one runs on alone at the end.
 MIXED = [
     Arrival(step=0, prompt=[5, 9, 17, 4, 250, 31], max_new_tokens=30, temperature=0.8),
     Arrival(step=3, prompt=[8, 8, 40, 3], max_new_tokens=64),
+    Arrival(step=5, prompt=[60, 7, 7, 1], max_new_tokens=18, temperature=0.9, speculate=False),
     Arrival(step=9, prompt=[77, 12, 9], max_new_tokens=24, temperature=1.0, top_p=0.9),
     Arrival(step=12, prompt=[21, 4, 4, 100, 6], max_new_tokens=20, temperature=0.7, top_k=20),
 ]

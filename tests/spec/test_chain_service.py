@@ -123,8 +123,9 @@ def test_the_hellos_choose_shared_memory(ckpts: Checkpoints, draft: ServerThread
 def test_sampled_requests_through_the_service_sample_as_the_ordinary_cycle(
     ckpts: Checkpoints, draft: ServerThread
 ) -> None:
-    """Seeded sampled requests beside a greedy one: the tokens of the ordinary cycle in
-    process (tests/spec/test_device_chain_sampling.py), the draft's half in the service."""
+    """Seeded sampled requests beside a greedy one and one that opted out (a row the draft
+    service never hears of): the tokens of the ordinary cycle in process
+    (tests/spec/test_device_chain_sampling.py), the draft's half in the service."""
     expected, _ = drive(ordinary_engine(ckpts, NUM_STEPS), MIXED)
     engine = remote_chain_engine(ckpts, draft.address)
     try:
@@ -132,6 +133,7 @@ def test_sampled_requests_through_the_service_sample_as_the_ordinary_cycle(
         assert outputs == expected
         chain = engine.chain
         assert chain is not None and chain.target.sampled_steps >= 10, chain.target.sampled_steps
+        assert chain.opted_out >= 1
     finally:
         _close(engine)
 

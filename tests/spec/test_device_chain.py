@@ -19,12 +19,13 @@ from tests.kernels._interpret import check_mode  # sets Triton's mode: import fi
 from kernels.attention import _tree_attention_kernel
 from tandem.config import EngineConfig
 from tandem.sampling import SamplingParams
-from tandem.spec.types import SpecConfig
+from tandem.spec.types import NoTree, SpecConfig, SpecStats
 from tandem.target.device_chain import ChainRead
-from tandem.target.engine import Engine
+from tandem.target.engine import Engine, GenerationResult
 from tests.driving import Arrival, arrivals, drive
 from tests.helpers.device_chain import (  # noqa: F401 (reference: a fixture)
     BATCH_SIZES,
+    OPTED_OUT,
     PLAN,
     abort_storm,
     chain_engine,
@@ -56,6 +57,34 @@ def test_device_chain_output_equals_target_only(
     chain = engine.chain
     assert chain is not None and not chain.active
     assert chain.runs >= 2 and chain.launches >= 12, (chain.runs, chain.launches)
+    check_pools_empty(engine)
+
+
+def test_requests_that_opted_out_run_in_runs_as_plain_rows(
+    ckpts: Checkpoints,
+    reference: list[list[int]],  # noqa: F811
+) -> None:
+    """A request that opted out of speculation is a run's row verifying node 0 alone (the
+    draft never sees it): the batch keeps its runs, every output equals target-only."""
+    engine = chain_engine(ckpts, "eagle3", 3)
+    popped: list[SpecStats] = []
+    pop = engine.pop_finished
+
+    def pop_and_keep(request_id: str) -> GenerationResult:
+        result = pop(request_id)
+        popped.append(result.stats)
+        return result
+
+    engine.pop_finished = pop_and_keep  # type: ignore[method-assign]
+    outputs, _ = drive(engine, OPTED_OUT)
+    assert outputs == reference
+    chain = engine.chain
+    assert chain is not None and chain.runs >= 2 and chain.opted_out >= 2, chain.opted_out
+    for arrival, stats in zip(OPTED_OUT, popped, strict=True):
+        if arrival.speculate:
+            assert stats.draft_tokens > 0
+        else:  # every step without a tree, for that reason alone
+            assert stats.draft_tokens == 0 and set(stats.without_tree) == {NoTree.OPTED_OUT}
     check_pools_empty(engine)
 
 

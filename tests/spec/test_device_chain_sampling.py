@@ -2,9 +2,9 @@
 
 A sampled row of a run is verified as the ordinary step verifies it, from the request's own
 generator in the same blocks: a seeded request's tokens are the same whether its steps ran as
-device-chain steps or as ordinary ones, greedy and sampled requests mixed in one run, with
-top-k and top-p. The verdict itself is checked against the tree reference on chains, and
-by a chi-square test of the tokens one step commits.
+device-chain steps or as ordinary ones, greedy and sampled requests mixed in one run (one
+opted out of speculation), with top-k and top-p. The verdict itself is checked against the
+tree reference on chains, and by a chi-square test of the tokens one step commits.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def test_sampled_requests_run_in_device_chain_runs_with_their_own_random_streams
     assert chain.runs >= 2 and chain.launches >= 10, (chain.runs, chain.launches)
     assert chain.target.sampled_steps >= 10, chain.target.sampled_steps
     assert chain.launches > chain.target.sampled_steps  # and greedy rows alone
+    assert chain.opted_out >= 1
     assert outputs == expected
     greedy_alone, _ = drive(ordinary_engine(ckpts, 3), [MIXED[1]])
     assert outputs[1] == greedy_alone[0]  # the greedy one, beside sampled ones
