@@ -12,6 +12,8 @@
 #   long          2,048-token prompts, 128 new, bs 1, 8, 32, S=3 chains; modes target-only,
 #                 spec, services, services-chain
 #   long-trees    long, with the trees' shape; modes target-only, spec, services
+#   sampled       chains as above with every request sampled (--temperature 0.8); modes
+#                 target-only, spec, services
 #   draft-device  the draft service on the second GPU (--draft-device cuda:1; needs two GPUs:
 #                 nvidia-h200-x2), S=3 chains, bs 1, 8, 32; modes target-only, spec, services
 #   all           every section above in turn (where no per-call limit applies; too many files
@@ -46,10 +48,11 @@ section_args() {  # the flags of section $1, one a line
     trees) printf '%s\n' "${TREES[@]}" --modes target-only,spec,services ;;
     long) printf '%s\n' "${LONG[@]}" --modes target-only,spec,services,services-chain ;;
     long-trees) printf '%s\n' "${LONG[@]}" "${TREES[@]}" --modes target-only,spec,services ;;
+    sampled) printf '%s\n' --temperature 0.8 --modes target-only,spec,services ;;
     draft-device)
       printf '%s\n' --draft-device cuda:1 --batch-sizes 1,8,32 --modes target-only,spec,services
       ;;
-    *) echo "gpu_bench.sh: unknown section $1 (chains, trees, long, long-trees, draft-device, all)" >&2
+    *) echo "gpu_bench.sh: unknown section $1 (chains, trees, long, long-trees, sampled, draft-device, all)" >&2
        return 2 ;;
   esac
 }
@@ -83,7 +86,7 @@ run_section() {  # section name, then the extra flags
 
 if [ "$SECTION" = all ]; then
   rc=0
-  for s in chains trees long long-trees draft-device; do
+  for s in chains trees long long-trees sampled draft-device; do
     if [ "$s" = draft-device ] && [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 2 ]; then
       echo "gpu_bench.sh: draft-device skipped: one GPU" >&2
       continue
