@@ -359,6 +359,8 @@ DRAFT_DEADLINE = Setting(
     env="DRAFT_DEADLINE",
     flag="draft-deadline",
 )
+# The requests' temperature on the command lines that make requests (generate, bench).
+TEMPERATURE_HELP = "Sampling temperature of every request: 0 means greedy."
 TWO_LANE_BATCH = Setting(
     help="split running requests into two lanes (the draft drafts one while the target "
     "verifies the other) from this many on; 0 = always one lane",

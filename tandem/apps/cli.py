@@ -24,6 +24,7 @@ from tandem.settings import (
     FAILOVER_WAIT,
     LOG_LEVEL,
     SMG_PORT,
+    TEMPERATURE_HELP,
     TWO_LANE_BATCH,
     Flags,
     Option,
@@ -108,7 +109,7 @@ def generate(
         list[str], typer.Argument(help="Prompt texts; @FILE reads a JSON list of prompts.")
     ],
     max_new_tokens: Annotated[int, typer.Option(help=MAX_NEW_TOKENS)] = 128,
-    temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 0.0,
+    temperature: Annotated[float, typer.Option(help=TEMPERATURE_HELP)] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
     min_p: Annotated[float, typer.Option(help="Drop tokens below min_p * max prob.")] = 0.0,

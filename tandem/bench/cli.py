@@ -21,7 +21,7 @@ import typer
 from tandem.bench.presets import PRESETS
 from tandem.config import DraftConfig, EngineConfig
 from tandem.errors import CheckpointError
-from tandem.settings import TWO_LANE_BATCH, Flags, Option, typer_options
+from tandem.settings import TEMPERATURE_HELP, TWO_LANE_BATCH, Flags, Option, typer_options
 from tandem.spec.types import SpecConfig
 
 if TYPE_CHECKING:
@@ -91,13 +91,7 @@ def bench(
         int, typer.Option(help="Tokens of a warm-up round before each measurement (0: none).")
     ] = 16,
     rounds: Annotated[int, typer.Option(help="Measured rounds per mode and batch size.")] = 1,
-    temperature: Annotated[
-        float,
-        typer.Option(
-            help="Every request's temperature: 0 decodes greedily; above it the requests "
-            "sample (each with its own seeded stream; transformers' rows are skipped)."
-        ),
-    ] = 0.0,
+    temperature: Annotated[float, typer.Option(help=TEMPERATURE_HELP)] = 0.0,
     draft_device: Annotated[
         str | None,
         typer.Option(help="The draft service's device, e.g. cuda:1 (default: --device)."),

@@ -22,7 +22,7 @@ live in tensors that each run of those filters overwrites in place.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,6 +63,10 @@ class ChainSampling:
         params += [_GREEDY] * ((batch_size - len(reqs)) * width)
         generators = [None if p.greedy else self._unused for p in params]
         batch = SamplingBatch.build(params, generators, self.device)
+        if batch.any_top_k:
+            # torch.topk's k rounded up to a power of two: the k-th value of each row is the
+            # same, and requests with other top-k share a graph.
+            batch = replace(batch, max_top_k=1 << (batch.max_top_k - 1).bit_length())
         filters = Filters(
             max_top_k=batch.max_top_k if batch.any_top_k else 0,
             top_p=batch.any_top_p,
