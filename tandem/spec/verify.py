@@ -328,11 +328,9 @@ def _sampling(
     bs, width, vocab = probs.shape
     coins = torch.empty(bs, coin_block, device=probs.device)
     noise = torch.empty(bs, vocab, device=probs.device)
-    for b, req in enumerate(reqs):
+    for req in reqs:
         assert req.generator is not None, "a sampled request without its random stream"
-        coins[b].uniform_(generator=req.generator)
-        noise[b].exponential_(generator=req.generator)
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    draw_randomness([req.generator for req in reqs], coins, noise)
     return _ops(probs.device).verify_sampling(
         tokens,
         probs,
@@ -343,6 +341,23 @@ def _sampling(
         num_nodes,
         accept_width,
     )
+
+
+def draw_randomness(
+    generators: Sequence[torch.Generator | None],
+    coins: torch.Tensor,  # [bs, coin_block] float32
+    noise: torch.Tensor,  # [bs, V] float32
+) -> None:
+    """One verify step's randomness for each sampled row (``generators[row]``; None: a greedy
+    row, left as it is): ``coin_block`` coins, then one Exp(1) vector, from the row's own
+    generator. Every path that verifies a step (this module, decoding ahead, device-chain
+    runs) draws through here, so a seeded request's stream does not depend on the path."""
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            coins[row].uniform_(generator=generator)
+            noise[row].exponential_(generator=generator)
+    # A draw of exactly 0 would make p / E inf and win the race.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
 def _process(

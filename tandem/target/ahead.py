@@ -36,7 +36,7 @@ import torch
 from tandem.request import Request
 from tandem.sampling import SamplingBatch, process_logits
 from tandem.spec.types import NoTree
-from tandem.spec.verify import Verified, decode_greedy
+from tandem.spec.verify import Verified, decode_greedy, draw_randomness
 from tandem.target.runner import ModelInputs, ModelOutputs
 from tandem.target.scheduler import ScheduledBatch, Scheduler
 
@@ -106,13 +106,9 @@ def _sample(
     generators = [req.generator for req in reqs]
     processed = process_logits(logits, SamplingBatch.build(params, generators, device), None)
     choice, top_logprobs = decode_greedy(processed)
-    coins = torch.empty(coin_block, device=device)
+    coins = torch.empty(len(reqs), coin_block, device=device)  # unused by one node
     noise = torch.ones_like(processed)
-    for row, req in enumerate(reqs):
-        if not req.params.greedy:
-            coins.uniform_(generator=req.generator)  # the ordinary step's draws, in order
-            noise[row].exponential_(generator=req.generator)
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    draw_randomness(generators, coins, noise)  # greedy requests have no generator
     probs = processed.softmax(dim=-1)
     race = torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
     sampled = torch.tensor([not p.greedy for p in params], device=device)

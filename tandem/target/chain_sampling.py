@@ -78,18 +78,6 @@ class ChainSampling:
                 getattr(kept, name).copy_(getattr(batch, name))
         return filters, kept
 
-    def draw(
-        self, generators: Sequence[torch.Generator | None], coins: torch.Tensor, noise: torch.Tensor
-    ) -> None:
-        """One step's randomness per sampled row (``generators[row]``; None for greedy rows),
-        as the ordinary step draws it: ``coin_block`` coins, then one Exp(1) vector."""
-        for row, generator in enumerate(generators):
-            if generator is not None:
-                coins[row].uniform_(generator=generator)
-                noise[row].exponential_(generator=generator)
-        # A draw of exactly 0 would make p / E inf and win the race (tandem.sampling).
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-
 
 def sampled_verdict(
     processed: torch.Tensor,  # [bs * (S+1), V] float32: every node's processed logits

@@ -35,6 +35,7 @@ from tandem.sampling import SamplingBatch, process_logits
 from tandem.spec.chain import Chains, Outcome, grow_tables, share_on_cpu
 from tandem.spec.simulate import AcceptSimulator
 from tandem.spec.types import Tree, valid_depth
+from tandem.spec.verify import draw_randomness
 from tandem.target.chain_sampling import ChainSampling, Filters, sampled_verdict
 from tandem.target.graphs import TargetGraphRunner
 
@@ -162,12 +163,10 @@ class TargetChain:
         static.chains.valid.copy_(torch.tensor(valid + [[False] * self.num_steps] * missing))
         self.chains = static.chains
         self._filters = self.sampling.stage(reqs, bs, w)
-        self._generators = [None if r.params.greedy else r.generator for r in reqs]
+        self._generators = [r.generator for r in reqs]  # None for greedy requests
         if self._filters is not None:
-            missing_generator = [
-                r.request_id for r in reqs if not r.params.greedy and not r.generator
-            ]
-            assert not missing_generator, f"sampled without a random stream: {missing_generator}"
+            unseeded = [r.request_id for r in reqs if not r.params.greedy and not r.generator]
+            assert not unseeded, f"sampled without a random stream: {unseeded}"
             sampled = [not r.params.greedy for r in reqs] + [False] * missing
             self._sampling_buffers(static).copy_(torch.tensor(sampled))
         # Everything staged once (query starts, chain masks, rows, the page tables as now).
@@ -220,7 +219,7 @@ class TargetChain:
             )
         if self._filters is not None:
             assert static.coins is not None and static.race is not None
-            self.sampling.draw(self._generators, static.coins, static.race)
+            draw_randomness(self._generators, static.coins, static.race)
             self.sampled_steps += 1
         if self.target.use_graphs:
             key = None if self._filters is None else self._filters[0]
@@ -271,18 +270,19 @@ class TargetChain:
             accepted = torch.minimum(drawn, depth)
         else:  # greedy: a draft is accepted while it is the target's choice at its parent
             accepted = torch.cumprod(((drafts == choice[:, :s]) & valid).long(), 1).sum(1)
-        shifted = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], 1)
-        new = torch.where(j < accepted[:, None], shifted, choice)  # [bs, S+1]
-        if self._filters is not None and self.generator is None:
-            assert static.sampled is not None and static.coins is not None
-            assert static.race is not None
+        # Sampled rows' own verdict and bonus tokens (a greedy row's bonus is the choice).
+        sampled = static.sampled if self._filters is not None and self.generator is None else None
+        if sampled is not None:
+            assert static.coins is not None and static.race is not None
             drawn_accepted, bonus = sampled_verdict(
                 logits, drafts, valid, static.coins, static.race
             )
-            sampled = static.sampled
             accepted = torch.where(sampled, drawn_accepted, accepted)
-            new = torch.where(j < accepted[:, None], shifted, choice)
-            new = torch.where(sampled[:, None] & (j == accepted[:, None]), bonus[:, None], new)
+        shifted = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], 1)
+        new = torch.where(j < accepted[:, None], shifted, choice)  # [bs, S+1]
+        if sampled is not None:
+            is_bonus = sampled[:, None] & (j == accepted[:, None])
+            new = torch.where(is_bonus, bonus[:, None], new)
         # A token's log-probability: its logit minus logsumexp = argmax logit - argmax logprob.
         rows = logits.view(bs, w, -1)
         top = rows.gather(2, choice[..., None])[..., 0]
