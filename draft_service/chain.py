@@ -100,7 +100,9 @@ class ChainPeer:
         s, n = msg.num_steps, len(msg.request_ids)
         if s < 1 or s > self.session.max_spec.num_steps:
             raise ValueError(f"num_steps {s} is outside this draft's 1..S")
-        if n < 1 or n > msg.batch_size or len(msg.committed_lens) != n:
+        # No row at all: a run of padding rows that captures the bucket's graphs (the
+        # target's DeviceChain.warm).
+        if n > msg.batch_size or len(msg.committed_lens) != n:
             raise ValueError("rows: request_ids and committed_lens must fill the batch")
         bucket = Bucket(msg.batch_size, s + 1)
         half = self._halves.get(s)

@@ -20,6 +20,7 @@ everything between them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -57,6 +58,7 @@ class DraftChain(DraftHalf):
         self._outcomes: dict[Bucket, Outcome] = {}  # kept across runs: graphs write them
         self._graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, int]] = {}  # graph, Chains ptr
         self.steps: dict[Bucket, int] = {}  # steps launched per bucket
+        self._pool: Any = None  # the graphs' memory pool, once one is captured
         self.failed = ""  # in process a launch does not fail (``RemoteChain``'s can)
 
     def ready(self) -> bool:
@@ -159,8 +161,9 @@ class DraftChain(DraftHalf):
         graph, bound = self._graphs.get(bucket, (None, 0))
         if graph is None or bound != self.chains.tokens.data_ptr():
             # Capture runs the step once first: run twice, a step writes what it wrote.
-            pool = torch.cuda.graph_pool_handle()
-            graph = capture_graph(self.device, pool, self._step)
+            if self._pool is None:  # one for every bucket's graph (as TargetChain._pool)
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = capture_graph(self.device, self._pool, self._step)
             self._graphs[bucket] = (graph, self.chains.tokens.data_ptr())
         graph.replay()
         return True

@@ -87,6 +87,7 @@ class RemoteChain(DraftHalf):
             return None
         if link is not self._link:  # a new stream: nothing of the old one is mapped there
             self._link = link
+            self.epoch += 1
             self._outcomes.clear()
             self._described.clear()
             self._mine = self._theirs = None

@@ -44,6 +44,10 @@ class DraftHalf(ABC):
     outcome: Outcome | None  # the run's bucket's, written by the target's half
     chains: Chains | None  # the target's, bound for the run: the draft writes them
     failed: str  # why the run's last step went without the draft ('' when it did not)
+    steps: dict[Bucket, int]  # steps launched per bucket
+    # Changes when the draft's buffers are mapped afresh (a new link to a draft service): the
+    # graphs captured over the old ones capture again (``DeviceChain.warm``).
+    epoch: int = 0
 
     @abstractmethod
     def ready(self) -> bool:

@@ -57,6 +57,10 @@ class ChainMode(StepMode):
         )
         if not ready:
             return None
+        if chain.needs_warming():  # not warmed while idle (in process: the first run)
+            chain.warm()
+            if not chain.draft.ready():
+                return None
         reqs = list(self.scheduler.running)
         self.scheduler.pin([r.request_id for r in reqs])
         if not chain.start(reqs):

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -112,8 +113,10 @@ class TargetChain:
         self._bucket = Bucket(1, self.width)
         self._pages: list[int] = []
         self._statics: dict[Bucket, _Static] = {}
+        self._graph_pool: Any = None  # every graph's, once one is captured (``_pool``)
         self.steps: dict[Bucket, int] = {}  # steps launched per bucket
         self.sampled_steps = 0  # steps launched with a sampled row
+        self.captures = 0  # graphs captured (a bucket's, per filters and Outcome bound)
         self.chains: Chains | None = None
         self.outcome: Outcome | None = None
         self.sampling = ChainSampling(self.device, coin_block or self.width)
@@ -169,8 +172,12 @@ class TargetChain:
             assert not unseeded, f"sampled without a random stream: {unseeded}"
             sampled = [not r.params.greedy for r in reqs] + [False] * missing
             self._sampling_buffers(static).copy_(torch.tensor(sampled))
-        # Everything staged once (query starts, chain masks, rows, the page tables as now).
-        plan = self.target.plan(self.request_ids, [r.num_computed for r in reqs], chains)
+        # Everything staged once (query starts, chain masks, rows, the page tables as now);
+        # a run of no request (``DeviceChain.warm``) stages padding rows alone.
+        if reqs:
+            plan = self.target.plan(self.request_ids, [r.num_computed for r in reqs], chains)
+        else:
+            plan = self.target.empty(bucket)
         assert plan is not None and plan.bucket == bucket
         self.target.stage(plan)
         self._pages = [len(p) for p in plan.pages]
@@ -194,6 +201,15 @@ class TargetChain:
             share_on_cpu(static.chains.tokens, static.chains.valid)
             self._statics[bucket] = static
         return static
+
+    def _pool(self) -> Any:
+        """One memory pool for every graph of this half: they replay one at a time on one
+        stream and keep nothing in it past a replay (what they hand on is in ``_Static`` and
+        ``Outcome``), so each may reuse the others' temporaries (``DeviceChain.warm``
+        captures them largest first)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
 
     def _sampling_buffers(self, static: _Static) -> torch.Tensor:
         """The bucket's sampled-row mask, allocated with its coins and noise at first use."""
@@ -226,10 +242,10 @@ class TargetChain:
             graph, bound = static.graphs.get(key, (None, 0))
             if graph is None or bound != self.outcome.base.data_ptr():
                 base = static.base.clone()  # capture runs the step once: it must not count
-                pool = torch.cuda.graph_pool_handle()
-                graph = capture_graph(self.device, pool, partial(self._step, static))
+                graph = capture_graph(self.device, self._pool(), partial(self._step, static))
                 static.base.copy_(base)
                 static.graphs[key] = (graph, self.outcome.base.data_ptr())
+                self.captures += 1
             graph.replay()
         else:
             self._step(static)

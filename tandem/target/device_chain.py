@@ -124,6 +124,8 @@ class DeviceChain:
         self.lengths: list[int] = []
         self.batch_size = 0  # the run's bucket
         self.runs = 0  # runs started
+        self.warmed = 0  # buckets whose graphs ``warm`` captured, over its calls
+        self._warm_epoch: int | None = None  # the draft's epoch the graphs were warmed for
         self.launches = 0  # steps launched
         self._run_launches = 0  # launches before the current run
 
@@ -213,6 +215,61 @@ class DeviceChain:
         if not all(self.has_room(n) for n in self.lengths):
             return "a request is near the context length"
         return ""
+
+    # -- warming ------------------------------------------------------------------------------
+
+    def needs_warming(self) -> bool:
+        """Whether ``warm`` has captures to do: graphs in use, no run active, the draft ready
+        and its buffers not warmed over yet."""
+        return (
+            self.target_graphs.use_graphs
+            and not self.active
+            and self._warm_epoch != self.draft.epoch
+            and self.draft.ready()
+        )
+
+    def warm(self) -> int:
+        """Captures both halves' graphs of every bucket a run may take, largest first, by one
+        step of a run of padding rows alone per bucket: nothing of a request is read or
+        written (padding rows write the null page and the draft's scratch), and the step is
+        not counted. A bucket's first run would capture them at its first launch, which on
+        an H200 held that step for ~100 ms; the live rows of a batch that drains pass through
+        several buckets. Returns the buckets warmed (it stops at the first the draft
+        refuses)."""
+        assert not self.active, "warm: a run is active"
+        self._warm_epoch = self.draft.epoch
+        features = self.target_graphs.features
+        width = None if features is None else features.shape[1]
+        counts = dict(self.target.steps), dict(self.draft.steps)
+        noise = self.target.generator  # the simulator's: its draws stay those of the runs
+        noise_state = None if noise is None else noise.get_state()
+        warmed = 0
+        for batch_size in sorted(self.target_graphs.batch_sizes, reverse=True):
+            bucket = self.target_graphs.bucket_for(batch_size, self.width)
+            assert bucket is not None
+            self.draft.request_ids = []
+            self.draft.reserve([], 0)
+            self.draft.chains = self.target.chains_for(bucket)
+            outcome = self.draft.begin([], bucket, features_width=width)
+            if outcome is None:
+                self.draft.chains = None
+                break
+            self.target.begin([], bucket, 0)
+            self.target.outcome = self.draft.outcome = outcome
+            self.target.launch()
+            launched = self.draft.launch()
+            self.target.read(0)
+            self.draft.end([])
+            self.target.end()
+            if not launched:
+                break
+            warmed += 1
+        self.target.steps, self.draft.steps = counts
+        if noise is not None and noise_state is not None:
+            noise.set_state(noise_state)
+        self.warmed += warmed
+        logger.info("device chain: %d buckets warmed", warmed)
+        return warmed
 
     # -- launching and reading ----------------------------------------------------------------
 

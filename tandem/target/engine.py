@@ -390,13 +390,16 @@ class Engine:
         """Collects every lane's outstanding answer and tells the draft about requests
         released since (aborted while idle, say), so it frees their pages now rather than
         with the next step. Called when no request runs: a device-chain run whose requests
-        all finished (its last step still unread) ends here, with nothing to commit."""
+        all finished (its last step still unread) ends here, with nothing to commit; device-chain
+        graphs not captured yet (a draft service just connected) are captured here."""
         chained = self.chained
         if chained is not None and chained.chain.active and not self.scheduler.has_unfinished():
             chained.end("every request finished")
         released = self.scheduler.take_released()
         if self.exchange is not None:
             self.exchange.flush(released, self._lane)
+        if chained is not None and not self.has_unfinished() and chained.chain.needs_warming():
+            chained.chain.warm()  # every bucket's graphs, before a run needs one
 
 
 def _check_lane(lane: int) -> None:

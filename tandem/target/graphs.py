@@ -216,7 +216,7 @@ class TargetGraphRunner:
         jobs = [
             (
                 f"{b.batch_size} requests x {b.width} rows",
-                partial(self._stage, self._entries[b], self._empty(b)),
+                partial(self._stage, self._entries[b], self.empty(b)),
                 partial(self._forward, self._entries[b]),
             )
             for b in order
@@ -357,7 +357,7 @@ class TargetGraphRunner:
             rows=view("rows"),
         )
 
-    def _empty(self, bucket: Bucket) -> GraphBatch:
+    def empty(self, bucket: Bucket) -> GraphBatch:
         """A batch of padding requests only: what capture runs (it touches no live KV)."""
         t, bs = bucket.num_tokens, bucket.batch_size
         return GraphBatch(

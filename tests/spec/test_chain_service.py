@@ -145,6 +145,11 @@ def test_output_through_the_service_equals_target_only(
 ) -> None:
     engine = remote_chain_engine(ckpts, draft.address)
     try:
+        # Warming: a run of padding rows alone per bucket, through the service; no request's
+        # state is touched and no step counted.
+        chain = engine.chain
+        assert chain is not None and chain.warm() == len(BATCH_SIZES)
+        assert (chain.runs, chain.launches, _remote(engine).steps) == (0, 0, {})
         outputs, _ = drive(engine, PLAN)
         assert outputs == reference
         link = _remote(engine).link()

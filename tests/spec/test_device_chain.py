@@ -52,10 +52,15 @@ def test_device_chain_output_equals_target_only(
     page_size: int,
 ) -> None:
     engine = chain_engine(ckpts, kind, num_steps, page_size=page_size)
+    chain = engine.chain
+    assert chain is not None
+    # Warming (one step of padding rows per bucket, as before a captured engine's first run)
+    # touches no request's state and counts no step.
+    assert chain.warm() == len(BATCH_SIZES)
+    assert (chain.runs, chain.launches, chain.target.steps) == (0, 0, {})
     outputs, _ = drive(engine, PLAN)
     assert outputs == reference
-    chain = engine.chain
-    assert chain is not None and not chain.active
+    assert not chain.active
     assert chain.runs >= 2 and chain.launches >= 12, (chain.runs, chain.launches)
     check_pools_empty(engine)
 
@@ -348,6 +353,8 @@ def test_captured_device_chain_equals_target_only(ckpts: Checkpoints) -> None:
     assert target is not None and target.captured
     steps = chain.target.steps  # device-chain steps per bucket, each one captured graph
     assert len({b.batch_size for b in steps}) >= 2, steps
+    # Every bucket was captured before the first run (``DeviceChain.warm``), none in a run.
+    assert chain.warmed == len(BATCH_SIZES) == chain.target.captures, chain.target.captures
     check_pools_empty(engine)
 
 
