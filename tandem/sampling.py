@@ -31,6 +31,7 @@ import torch
 import kernels
 from tandem.errors import InvalidRequest
 from tandem.penalties import apply_counts_penalty, apply_repetition_penalty
+from tandem.transfer import to_device
 
 _NEG_INF = float("-inf")
 _MAX_SEED = 2**63
@@ -245,32 +246,33 @@ class SamplingBatch:
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
         penalty = [p.repetition_penalty for p in params]
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        def i64(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
         bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
         block = [(row, t) for row, ids in enumerate(blocked) for t in ids]
         presence = [p.presence_penalty for p in params]
         frequency = [p.frequency_penalty for p in params]
-
+        cutoff = [1.0 - p if p < 1.0 else -1.0 for p in top_p]
+        # Two copies from pinned memory behind the stream (``to_device``), sliced on the
+        # device: one from pageable memory per tensor waited for the step decoding ahead.
+        bs, e, m = len(params), len(bias), len(block)
+        rows = [[p.temperature for p in params], top_p, cutoff, min_p, penalty, presence, frequency]
+        float_values = [v for row in rows for v in row] + [b for *_, b in bias]
+        int_values = [*top_k, *(r for r, _, _ in bias), *(t for _, t, _ in bias)]
+        int_values += [*(r for r, _ in block), *(t for _, t in block)]
+        floats = to_device(torch.tensor(float_values, dtype=torch.float32), device)
+        ints = to_device(torch.tensor(int_values, dtype=torch.int64), device)
+        f = floats[: len(rows) * bs].view(len(rows), bs)
+        i = ints[bs:].split([e, e, m, m])
         return cls(
-            temperature=f32([p.temperature for p in params]),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=f32(top_p),
-            top_p_cutoff=f32([1.0 - p if p < 1.0 else -1.0 for p in top_p]),
-            min_p=f32(min_p),
-            repetition_penalty=f32(penalty),
-            presence_penalty=f32(presence),
-            frequency_penalty=f32(frequency),
-            bias=(
-                i64([r for r, _, _ in bias]),
-                i64([t for _, t, _ in bias]),
-                f32([b for *_, b in bias]),
-            ),
-            blocked=(i64([r for r, _ in block]), i64([t for _, t in block])),
+            temperature=f[0],
+            top_k=ints[:bs],
+            top_p=f[1],
+            top_p_cutoff=f[2],
+            min_p=f[3],
+            repetition_penalty=f[4],
+            presence_penalty=f[5],
+            frequency_penalty=f[6],
+            bias=(i[0], i[1], floats[len(rows) * bs :]),
+            blocked=(i[2], i[3]),
             generators=[None if g else gen for g, gen in zip(greedy, generators, strict=True)],
             all_greedy=all(greedy),
             any_top_k=any(k > 0 for k in top_k),

@@ -39,6 +39,7 @@ from tandem.spec.types import NoTree
 from tandem.spec.verify import Verified, decode_greedy, draw_randomness
 from tandem.target.runner import ModelInputs, ModelOutputs
 from tandem.target.scheduler import ScheduledBatch, Scheduler
+from tandem.transfer import to_device
 
 
 @dataclass
@@ -111,7 +112,7 @@ def _sample(
     draw_randomness(generators, coins, noise)  # greedy requests have no generator
     probs = processed.softmax(dim=-1)
     race = torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
-    sampled = torch.tensor([not p.greedy for p in params], device=device)
+    sampled = to_device(torch.tensor([not p.greedy for p in params]), device)  # no wait
     ids = torch.where(sampled, race, choice)
     picked = processed.gather(1, ids[:, None])[:, 0] - torch.logsumexp(processed, dim=-1)
     return ids, torch.where(sampled, picked, top_logprobs)

@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tandem.config import EngineConfig
-from tandem.request import FinishReason
-from tandem.sampling import SamplingParams
+from tandem.request import FinishReason, Request
+from tandem.sampling import SamplingParams, make_generator
+from tandem.target import ahead
 from tandem.target.engine import Engine
 from tests.checkpoints import hf_greedy, make_checkpoint
 
@@ -134,3 +136,29 @@ def test_full_pool_takes_the_ordinary_step(ckpt: Path) -> None:
     assert eng.ahead.launches > 0
     alloc = eng.kv.allocator
     assert alloc.num_free_pages == alloc.num_pages
+
+
+@pytest.mark.gpu
+def test_a_sampled_step_queues_without_waiting_for_the_stream() -> None:
+    """Sampling a decode-ahead step (its inputs built, filters, coins and race) waits for
+    nothing queued before it: a copy from pageable memory waited for the step in flight, and
+    sampled target-only steps cost 6.3 ms at bs 1 on an H200 against 4.6 ms greedy."""
+    device = torch.device("cuda")
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05, seed=1),
+        SamplingParams(),
+        SamplingParams(temperature=1.0, seed=2),
+    ]
+    reqs = [
+        Request(f"r{i}", [1, 2], p, generator=None if p.greedy else make_generator(i, device))
+        for i, p in enumerate(params)
+    ]
+    logits = torch.randn(len(reqs), 32000, device=device)
+    ahead._sample(logits, reqs, 4)  # kernels compiled, pinned blocks cached
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ids, logprobs = ahead._sample(logits, reqs, 4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ids.shape == logprobs.shape == (len(reqs),)
