@@ -150,7 +150,12 @@ def test_a_sampled_step_queues_without_waiting_for_the_stream() -> None:
         SamplingParams(temperature=1.0, seed=2),
     ]
     reqs = [
-        Request(f"r{i}", [1, 2], p, generator=None if p.greedy else make_generator(i, device))
+        Request(
+            request_id=f"r{i}",
+            prompt_ids=[1, 2],
+            params=p,
+            generator=None if p.greedy else make_generator(i, device),
+        )
         for i, p in enumerate(params)
     ]
     logits = torch.randn(len(reqs), 32000, device=device)
