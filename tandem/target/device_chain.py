@@ -234,8 +234,8 @@ class DeviceChain:
         written (padding rows write the null page and the draft's scratch), and the step is
         not counted. A bucket's first run would capture them at its first launch, which on
         an H200 held that step for ~100 ms; the live rows of a batch that drains pass through
-        several buckets. Returns the buckets warmed (it stops at the first the draft
-        refuses)."""
+        several buckets. Returns the buckets warmed (one the draft refuses is skipped; a
+        step the draft does not answer ends the warming)."""
         assert not self.active, "warm: a run is active"
         self._warm_epoch = self.draft.epoch
         features = self.target_graphs.features
@@ -251,9 +251,9 @@ class DeviceChain:
             self.draft.reserve([], 0)
             self.draft.chains = self.target.chains_for(bucket)
             outcome = self.draft.begin([], bucket, features_width=width)
-            if outcome is None:
+            if outcome is None:  # refused (a draft service without the bucket runs none)
                 self.draft.chains = None
-                break
+                continue
             self.target.begin([], bucket, 0)
             self.target.outcome = self.draft.outcome = outcome
             self.target.launch()

@@ -53,8 +53,7 @@ NUM_STEPS = 3
 PROMPT_MB = 16  # the draft's shared prompt buffer (shared memory here)
 
 
-@pytest.fixture
-def draft(ckpts: Checkpoints, tmp_path: Path) -> Iterator[ServerThread]:
+def draft_server(tmp_path: Path, ckpts: Checkpoints, batch_sizes: tuple[int, ...]) -> ServerThread:
     config = DraftConfig(
         kind="eagle3",
         path=ckpts.drafts["eagle3"],
@@ -63,14 +62,19 @@ def draft(ckpts: Checkpoints, tmp_path: Path) -> Iterator[ServerThread]:
         page_size=4,
         num_pages=512,
         static_buckets=True,
-        cuda_graph_batch_sizes=BATCH_SIZES,
+        cuda_graph_batch_sizes=batch_sizes,
         cuda_graph_steps=(NUM_STEPS,),
     )
-    server = ServerThread(
+    return ServerThread(
         DraftServiceConfig(
             draft=config, local_socket=str(tmp_path / "d.sock"), prompt_buffer_mb=PROMPT_MB
         )
     )
+
+
+@pytest.fixture
+def draft(ckpts: Checkpoints, tmp_path: Path) -> Iterator[ServerThread]:
+    server = draft_server(tmp_path, ckpts, BATCH_SIZES)
     yield server
     server.stop()
 
@@ -355,3 +359,22 @@ def _wait(condition: object, timeout_s: float = 20.0) -> None:
     while not condition():  # type: ignore[operator]
         assert time.monotonic() < end, "timed out"
         time.sleep(0.05)
+
+
+def test_warming_skips_a_bucket_the_draft_lacks(ckpts: Checkpoints, tmp_path: Path) -> None:
+    """A draft service with fewer buckets than the target: warming captures the ones it has
+    and refuses the rest (a run there is refused too), and the engine's output stays
+    target-only's."""
+    server = draft_server(tmp_path, ckpts, BATCH_SIZES[:-1])
+    engine = remote_chain_engine(ckpts, server.address)
+    try:
+        chain = engine.chain
+        assert chain is not None
+        assert chain.warm() == len(BATCH_SIZES) - 1
+        assert _remote(engine).refusals == 1
+        prompt = [5, 9, 17, 4, 250, 31]
+        out = engine.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))
+        assert out[0].token_ids == reference_tokens(ckpts, prompt, 24)
+    finally:
+        _close(engine)
+        server.stop()
