@@ -181,7 +181,11 @@ class ModelRunner:
             if req.tree is not None:
                 ids.extend(req.tree.tokens)
                 positions.extend(start + d for d in req.tree.depths)
-                masks.append(req.tree.ancestor_mask())
+                # A chain's ancestor mask is the causal one: without any custom mask, a prompt
+                # chunk in the same step keeps the causal kernel (a masked one, where a
+                # mixed step of 2,048 prompt tokens beside chains took 75-82 ms against 52 ms
+                # on an H200, and its mask was built and packed on the way).
+                masks.append(None if req.tree.is_chain else req.tree.ancestor_mask())
             else:
                 ids.extend(req.tokens[start : start + n])
                 positions.extend(range(start, start + n))

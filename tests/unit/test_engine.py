@@ -13,8 +13,9 @@ from tandem.errors import InvalidRequest
 from tandem.kv import PageAllocator
 from tandem.request import FinishReason, Request
 from tandem.sampling import SamplingParams
+from tandem.spec.types import Tree
 from tandem.target.engine import Engine
-from tandem.target.scheduler import Scheduler
+from tandem.target.scheduler import ScheduledBatch, Scheduler
 from tests.checkpoints import ARCHS, hf_greedy, make_checkpoint
 from tests.helpers.engine import ragged_prompts
 
@@ -151,3 +152,26 @@ def test_step_full_counts_sequences_and_prompt_tokens() -> None:
     assert not by_seqs.step_full()
     by_seqs.add(request(1, 2))
     assert by_seqs.step_full()
+
+
+@pytest.mark.parametrize(("parents", "masked"), [((-1, 0, 1), False), ((-1, 0, 0), True)])
+def test_a_prompt_chunk_beside_chains_stays_causal(
+    tmp_path: Path, parents: tuple[int, ...], masked: bool
+) -> None:
+    """A step that verifies a chain beside a prompt chunk has no custom mask (a chain's
+    ancestor mask is the causal one), so the chunk keeps the causal attention kernel; a
+    branching tree needs its mask."""
+    path = make_checkpoint(tmp_path, "llama", seed=3, vocab_size=64)
+    eng = engine(path, num_pages=64)
+    running = Request(request_id="a", prompt_ids=[5, 6, 7, 8], params=greedy())
+    running.num_computed = 3
+    running.tree = Tree(tokens=(8, 9, 10), parents=parents)
+    prompt = Request(request_id="b", prompt_ids=list(range(3, 23)), params=greedy())
+    batch = ScheduledBatch()
+    for req, n in ((running, 3), (prompt, 12)):
+        eng.kv.allocator.allocate(req.request_id, req.num_computed + n)
+        batch.requests.append(req)
+        batch.num_new_tokens.append(n)
+    inputs = eng.runner.prepare(batch)
+    assert inputs.meta is not None
+    assert (inputs.meta.custom_mask is not None) == masked
