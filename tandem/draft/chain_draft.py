@@ -13,8 +13,9 @@ nothing), then the loop bucket from the new base ``base + accepted + 1``, whose 
 ``Chains``. Positions, slots and lengths are computed on the device from ``Outcome``; the page
 tables are written once at ``begin`` and grown on the stream as pages are reserved. With the
 draft's graphs captured, a launch is one CUDA graph per bucket (captured at the bucket's first
-launch, over the bucket's ``Outcome`` and the ``Chains`` bound then): extend and loop with
-everything between them.
+launch, over the bucket's ``Outcome`` and the ``Chains`` bound then, which the target's
+``DeviceChain.warm`` makes happen before a run needs it): extend and loop with everything
+between them.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ after launching the next one.
 
 With the target's graphs captured, all of that but the page tables' growth, the simulator's
 noise and the verdict's copy out is one CUDA graph per bucket (captured at the bucket's first
-launch, over the bucket's own state buffers and the ``Outcome`` bound then): one launch a step
-instead of about fifty small kernels and a replay.
+launch, over the bucket's own state buffers and the ``Outcome`` bound then; ``DeviceChain.warm``
+launches every bucket once before a run needs it): one launch a step instead of about fifty
+small kernels and a replay.
 
 Sampled rows (``tandem/target/chain_sampling.py``) take the target's processed distribution
 and their own generator's coins and noise, drawn before the launch; a run with any sampled row
