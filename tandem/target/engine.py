@@ -399,7 +399,12 @@ class Engine:
         if self.exchange is not None:
             self.exchange.flush(released, self._lane)
         if chained is not None and not self.has_unfinished() and chained.chain.needs_warming():
-            chained.chain.warm()  # every bucket's graphs, before a run needs one
+            try:
+                chained.chain.warm()  # every bucket's graphs, before a run needs one
+            except Exception:  # a capture that fails here (memory) must not end the caller's loop
+                logger.exception("device chain: warming failed; device-chain steps are off")
+                self.chained = self.sync.chain = None
+                self.modes = [self.ahead, self.sync]
 
 
 def _check_lane(lane: int) -> None:

@@ -364,3 +364,26 @@ def test_an_engine_that_cannot_says_why(ckpts: Checkpoints) -> None:
     config = EngineConfig(model=ckpts.target, device="cpu", num_pages=64, device_chain=True)
     with pytest.raises(ValueError, match="needs CUDA graphs"):
         Engine(config, drafter=drafter, spec=SpecConfig(num_steps=3, topk=1))
+
+
+def test_a_warming_that_fails_turns_device_chain_steps_off(
+    ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A capture that fails while an idle engine warms (out of memory, say) is logged and
+    turns device-chain steps off; it does not escape the idle loop's call, and requests then
+    take the ordinary cycle with target-only's output."""
+    engine = chain_engine(ckpts, "eagle3", 3)
+    chain = engine.chain
+    assert chain is not None
+
+    def fail() -> int:
+        raise RuntimeError("CUDA out of memory during capture")
+
+    monkeypatch.setattr(chain, "needs_warming", lambda: True)
+    monkeypatch.setattr(chain, "warm", fail)
+    engine.flush_draft()
+    assert engine.chain is None
+    prompt = [5, 9, 17, 4, 250, 31]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert out[0].token_ids == reference_tokens(ckpts, prompt, 24)
+    check_pools_empty(engine)
