@@ -39,7 +39,6 @@ from tandem.spec.types import NoTree
 from tandem.spec.verify import Verified, decode_greedy, draw_randomness
 from tandem.target.runner import ModelInputs, ModelOutputs
 from tandem.target.scheduler import ScheduledBatch, Scheduler
-from tandem.transfer import to_device
 
 
 @dataclass
@@ -105,14 +104,15 @@ def _sample(
     device = logits.device
     params = [req.params for req in reqs]
     generators = [req.generator for req in reqs]
-    processed = process_logits(logits, SamplingBatch.build(params, generators, device), None)
+    batch = SamplingBatch.build(params, generators, device)
+    processed = process_logits(logits, batch, None)
     choice, top_logprobs = decode_greedy(processed)
     coins = torch.empty(len(reqs), coin_block, device=device)  # unused by one node
     noise = torch.ones_like(processed)
     draw_randomness(generators, coins, noise)  # greedy requests have no generator
     probs = processed.softmax(dim=-1)
     race = torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
-    sampled = to_device(torch.tensor([not p.greedy for p in params]), device)  # no wait
+    sampled = batch.temperature > 0  # greedy rows have temperature 0
     ids = torch.where(sampled, race, choice)
     picked = processed.gather(1, ids[:, None])[:, 0] - torch.logsumexp(processed, dim=-1)
     return ids, torch.where(sampled, picked, top_logprobs)

@@ -232,10 +232,10 @@ class DeviceChain:
         """Captures both halves' graphs of every bucket a run may take, largest first, by one
         step of a run of padding rows alone per bucket: nothing of a request is read or
         written (padding rows write the null page and the draft's scratch), and the step is
-        not counted. A bucket's first run would capture them at its first launch, which on
-        an H200 held that step for ~100 ms; the live rows of a batch that drains pass through
-        several buckets. Returns the buckets warmed (one the draft refuses is skipped; a
-        step the draft does not answer ends the warming)."""
+        not counted. A bucket's first run would capture them at its first launch, holding that
+        step for a capture's time (docs/device-cycle.md), and the live rows of a batch that
+        drains pass through several buckets. Returns the buckets warmed (one the draft
+        refuses is skipped; a step the draft does not answer ends the warming)."""
         assert not self.active, "warm: a run is active"
         self._warm_epoch = self.draft.epoch
         features = self.target_graphs.features

@@ -182,9 +182,9 @@ class ModelRunner:
                 ids.extend(req.tree.tokens)
                 positions.extend(start + d for d in req.tree.depths)
                 # A chain's ancestor mask is the causal one: without any custom mask, a prompt
-                # chunk in the same step keeps the causal kernel (a masked one, where a
-                # mixed step of 2,048 prompt tokens beside chains took 75-82 ms against 52 ms
-                # on an H200, and its mask was built and packed on the way).
+                # chunk in the same step keeps the causal kernel, rather than the masked one
+                # over its causal block built and packed on the host (docs/performance.md,
+                # "Long prompts").
                 masks.append(None if req.tree.is_chain else req.tree.ancestor_mask())
             else:
                 ids.extend(req.tokens[start : start + n])
