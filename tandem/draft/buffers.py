@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.attention import AttentionMetadata
-from tandem.draft.schedule import ChainSchedule
+from tandem.draft.schedule import ChainSchedule, TreeShape
 from tandem.draft.state import ModelDraftState
 from tandem.graphs.base import (
     WORD_BITS,
@@ -252,3 +252,67 @@ def build_extend_entry(
         rows=views["rows"],
         features=None if features is None else features[:t],
     )
+
+
+@dataclass(kw_only=True)
+class TreeEntry(_Entry):
+    shape: TreeShape
+    base: torch.Tensor  # [bs] int64, the target position of node 0 (L - 1)
+    offsets: list[torch.Tensor]  # per step [K] int64, depth - shift
+    backends: list[GraphAttention]  # per step
+    masks: list[torch.Tensor]  # per step [bs * K, words] int64, written inside the region
+    bits: list[torch.Tensor]  # per step [K, words] int64, each row's own column
+    result: torch.Tensor  # [bs, 3 (N-1) + 1] int64: chosen, their tokens, parents; count
+
+
+def build_tree_entry(
+    state: ModelDraftState,
+    bs: int,
+    shape: TreeShape,
+    attention: TritonAttention,
+    device: torch.device,
+    max_pages: int,
+    pad_base: int,
+) -> TreeEntry:
+    k, words = shape.topk, shape.num_words
+    sizes = {"base": bs}
+    empty = Staged(ints={"base": [pad_base] * bs})
+    for t in range(shape.num_steps - 1):
+        sizes |= _attention_spans(str(t), bs, k, words)
+        empty.ints |= _padding(str(t), bs, k, words)
+    sizes["pages0"] = page_table_elements(bs, max_pages)
+    empty.pages["pages0"] = []
+    layout = Layout.packed(sizes)
+    inputs, views = _views(layout, device)
+    backends, offsets, masks, bits = [], [], [], []
+    shift = state.modules[0].shift
+    for t in range(shape.num_steps - 1):
+        args = (Bucket(bs, k), words, max_pages, state.kvs[0], _num_heads(state, 0), attention)
+        backends.append(_backend(views, str(t), "pages0", *args))
+        offsets.append(torch.full((k,), t + 1 - shift, dtype=torch.int64, device=device))
+        masks.append(views[f"mask{t}"].view(bs * k, words))
+        own = [_column_bit(t * k + i, words) for i in range(k)]  # row i: column t*K + i
+        bits.append(torch.tensor(own, dtype=torch.int64, device=device))
+    return TreeEntry(
+        bucket=Bucket(bs, k),
+        layout=layout,
+        inputs=inputs,
+        max_pages=max_pages,
+        placeholder=placeholder_metadata(state.kvs[0]),
+        empty=empty,
+        shape=shape,
+        base=views["base"],
+        offsets=offsets,
+        backends=backends,
+        masks=masks,
+        bits=bits,
+        result=torch.zeros(bs, 3 * (shape.tree_size - 1) + 1, dtype=torch.int64, device=device),
+    )
+
+
+def _column_bit(column: int, words: int) -> list[int]:  # [words] signed int64
+    """A mask row with only ``column`` set."""
+    row = [0] * words
+    bit = column % WORD_BITS
+    row[column // WORD_BITS] = 1 << bit if bit < WORD_BITS - 1 else -(1 << bit)
+    return row

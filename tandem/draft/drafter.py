@@ -14,7 +14,8 @@ the parent. Every module keeps the committed pairs in its KV.
 What it works on is a ``ModelDraftState`` (``state.py``) that it hands to the code that
 drafts: the host path (``extend.py``, ``trees.py``) and, with graphs enabled
 (``enable_graphs``), the graph runner (``graphs.py``), through which chains (K=1) draft all S
-steps in one CUDA graph per batch bucket and committed pairs extend through one graph per
+steps in one CUDA graph per batch bucket, trees of a one-module draft likewise with EAGLE-2
+selection on the device (``tree_graphs.py``), and committed pairs extend through one graph per
 bucket; what no bucket takes runs on the host path.
 """
 
@@ -29,13 +30,14 @@ from tandem.attention import backend_for
 from tandem.draft.chain_draft import DraftChain
 from tandem.draft.extend import extend_eagerly
 from tandem.draft.graphs import DraftGraphRunner
+from tandem.draft.schedule import TreeShape
 from tandem.draft.state import DraftSeq, ModelDraftState, Update
 from tandem.draft.trees import draft_eagerly
 from tandem.errors import KVExhausted
 from tandem.kv import KVCache
 from tandem.models.draft import DraftModule
 from tandem.spec.base import Drafter
-from tandem.spec.types import DraftAdmit, Tree, VerifyOutcome
+from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +100,13 @@ class ModelDrafter(Drafter):
         batch_sizes: Sequence[int],
         max_model_len: int,
         num_steps: Sequence[int] = (),
+        tree_shapes: Sequence[TreeShape] = (),
         capture: bool = True,
     ) -> DraftGraphRunner:
-        """Runs chains and extends that fit a bucket through CUDA graphs, captured now for
-        each S in ``num_steps`` and on first use for any other S (``capture=False``: the same
-        static buffers run eagerly, on any device; Triton interpreted on CPU)."""
+        """Runs chains, trees (one-module drafts) and extends that fit a bucket through CUDA
+        graphs, captured now for each S in ``num_steps`` and each tree shape in
+        ``tree_shapes``, on first use for any other (``capture=False``: the same static
+        buffers run eagerly, on any device; Triton interpreted on CPU)."""
         from tandem.attention.triton_backend import TritonAttention  # imports triton
 
         backend = self.state.backend
@@ -112,6 +116,7 @@ class ModelDrafter(Drafter):
             batch_sizes=batch_sizes,
             max_model_len=max_model_len,
             num_steps=num_steps,
+            tree_shapes=tree_shapes if len(self.state.modules) == 1 else (),
             capture=capture,
             attention=attention,
         )
@@ -123,6 +128,7 @@ class ModelDrafter(Drafter):
         batch_sizes: Sequence[int],
         max_model_len: int,
         num_steps: Sequence[int] = (),
+        trees: Sequence[SpecConfig] = (),
         capture: bool = True,
     ) -> bool:
         if not DraftGraphRunner.supports(self.state):
@@ -132,6 +138,7 @@ class ModelDrafter(Drafter):
             batch_sizes=batch_sizes,
             max_model_len=max_model_len,
             num_steps=num_steps,
+            tree_shapes=[TreeShape.of(spec) for spec in trees if spec.topk > 1],
             capture=capture,
         )
         return True

@@ -25,14 +25,15 @@ never in attributes swapped during capture. Padding as in ``tandem/target/graphs
 and empty mask rows for padded rows, ``seq_len = prefix_len = 0`` for padding requests.
 ``capture=False`` ("eager static") runs the same buffers without capturing (CPU tests).
 
-Known limits: a step runs eagerly (whole step, so trees equal the eager path's) when any request
-has K>1, requests differ in S, a request lacks context for a pair, a pool lacks room for every
-scratch slot, or the batch exceeds the largest bucket; ``mode="target"`` with several MTP heads
-always runs eagerly (its heads read target features at shifted positions, not staged here);
-admissions (prompts) extend eagerly. An S not captured at start is captured on first use.
-Trees (K>1) keep the host loop because each step's frontier (the K best of K*K candidates by
-cumulative score) and the scratch masks depend on the previous step's results; a device-side
-frontier selection with masks built from parent indices on the device would lift that.
+**Tree loop** (K>1, one-module drafts): a whole EAGLE-2 tree in one captured region per bucket
+and tree shape, frontier selection and scratch masks on the device (``tree_graphs.py``).
+
+Known limits: a step runs eagerly (whole step, so trees equal the eager path's) when requests
+differ in S (or, for trees, in K or N), a tree is drafted by several modules (chained MTP), a
+request lacks context for a pair, a pool lacks room for every scratch slot, or the batch exceeds
+the largest bucket; ``mode="target"`` with several MTP heads always runs eagerly (its heads read
+target features at shifted positions, not staged here); admissions (prompts) extend eagerly. An
+S or tree shape not captured at start is captured on first use.
 """
 
 from __future__ import annotations
@@ -51,12 +52,15 @@ from tandem.draft.buffers import (
     ExtendEntry,
     LoopEntry,
     StaticInputs,
+    TreeEntry,
     build_extend_entry,
     build_loop_entry,
+    build_tree_entry,
 )
 from tandem.draft.plan import plan_extend, plan_loop
-from tandem.draft.schedule import chain_schedule
+from tandem.draft.schedule import TreeShape, chain_schedule
 from tandem.draft.state import ModelDraftState, Update
+from tandem.draft.tree_graphs import read_trees, tree_forward, tree_values
 from tandem.graphs.base import Bucket, capture_all
 from tandem.models import ForwardContext
 from tandem.spec.types import Tree, valid_depth
@@ -78,6 +82,7 @@ class DraftGraphRunner:
         batch_sizes: Sequence[int],
         max_model_len: int,
         num_steps: Sequence[int] = (),
+        tree_shapes: Sequence[TreeShape] = (),
         capture: bool = True,
         attention: TritonAttention | None = None,
     ) -> None:
@@ -107,10 +112,14 @@ class DraftGraphRunner:
         self.loops: dict[Bucket, LoopEntry] = {}  # width = S + 1
         self.extends: dict[Bucket, ExtendEntry] = {}  # width = S + 1
         self.steps: list[int] = []  # the S values with buckets
-        self.replays: dict[tuple[str, Bucket], int] = {}  # ("loop" | "extend", bucket) -> runs
-        self.eager_steps = 0  # chain batches sent to the host path (context, room, pages)
+        self.trees: dict[tuple[int, TreeShape], TreeEntry] = {}  # (batch size, shape)
+        self.tree_shapes: list[TreeShape] = []  # the shapes with buckets
+        self.replays: dict[tuple[str, Bucket], int] = {}  # ("loop" | "extend" | "tree", bucket)
+        self.eager_steps = 0  # chain or tree batches sent to the host path (context, room)
         for s in sorted(set(num_steps)):
             self.ensure_steps(s)
+        for shape in sorted(set(tree_shapes)):
+            self.ensure_tree(shape)
 
     @staticmethod
     def supports(state: ModelDraftState) -> bool:
@@ -119,7 +128,7 @@ class DraftGraphRunner:
     @property
     def captured(self) -> bool:
         """Whether every bucket replays a graph (False in eager static mode)."""
-        entries = [*self.loops.values(), *self.extends.values()]
+        entries = [*self.loops.values(), *self.extends.values(), *self.trees.values()]
         return bool(entries) and all(e.graph is not None for e in entries)
 
     # -- draft loop --------------------------------------------------------------------------
@@ -133,13 +142,15 @@ class DraftGraphRunner:
         if not seqs or not d.fast_top1:
             return None
         num_steps = seqs[0].spec.num_steps
-        if any(s.spec.topk != 1 or s.spec.num_steps != num_steps for s in seqs):
-            return None
         bs = next((b for b in self.batch_sizes if b >= len(seqs)), None)
         if bs is None:
             return None
+        if seqs[0].spec.topk > 1:
+            return self._draft_trees(request_ids, bs)
+        if any(s.spec.topk != 1 or s.spec.num_steps != num_steps for s in seqs):
+            return None
         schedule = chain_schedule(num_steps, len(d.modules), d.mode)
-        plan = plan_loop(d, request_ids, schedule, self._max_pages(num_steps))
+        plan = plan_loop(d, request_ids, schedule, self._max_pages(num_steps + 1))
         if plan is None:
             self.eager_steps += 1
             return None
@@ -165,6 +176,39 @@ class DraftGraphRunner:
             depth = min(valid_depth(valid[i]), seq.spec.tree_size - 1)
             trees[request_id] = Tree.chain([seq.tokens[-1], *(int(t) for t in ids[i][:depth])])
         return trees
+
+    def _draft_trees(self, request_ids: list[str], bs: int) -> dict[str, Tree] | None:
+        """The tree of every request through its bucket's tree loop (``tree_graphs.py``);
+        None when the step has to run on the host: several modules, requests of different
+        tree shapes, K above the draft's vocabulary, or what sends a chain there."""
+        d = self.state
+        seqs = [d.seqs[r] for r in request_ids]
+        shape = TreeShape.of(seqs[0].spec)
+        if len(d.modules) != 1 or any(TreeShape.of(s.spec) != shape for s in seqs):
+            return None
+        if shape.topk > d.modules[0].vocab_size:
+            return None
+        scratch = (shape.num_steps - 1) * shape.topk
+        plan = plan_loop(d, request_ids, shape.schedule(), self._max_pages(scratch + 1))
+        if plan is None:
+            self.eager_steps += 1
+            return None
+        self.ensure_tree(shape)
+        entry = self.trees[(bs, shape)]
+        started = time.perf_counter_ns()
+        alloc = d.kvs[0].allocator
+        for request_id in request_ids if scratch else ():
+            alloc.extend(request_id, scratch)
+        self.static.stage(entry, tree_values(plan, entry, d))
+        self.last_in[0][: len(seqs)].copy_(torch.stack([s.last_out[0] for s in seqs]))  # type: ignore[misc]
+        self._replay("tree", entry)
+        rows = entry.result[: len(seqs)].tolist()
+        d.model_ns += time.perf_counter_ns() - started
+        shift = d.modules[0].shift
+        for request_id, seq in zip(request_ids, seqs, strict=True):
+            alloc.truncate(request_id, max(0, len(seq.tokens) - shift))
+        trees = read_trees(entry, [s.tokens[-1] for s in seqs], rows)
+        return dict(zip(request_ids, trees, strict=True))
 
     def _loop_forward(self, entry: LoopEntry) -> None:
         """The captured region of a draft loop: reads the staged inputs and ``last_in``, writes
@@ -220,7 +264,7 @@ class DraftGraphRunner:
         if bs is None or max(len(u[1]) for u in fits) > num_steps + 1:
             return updates
         ids = [u[0] for u in fits]
-        plan = plan_extend(d, ids, starts, num_steps + 1, self._max_pages(num_steps))
+        plan = plan_extend(d, ids, starts, num_steps + 1, self._max_pages(num_steps + 1))
         if plan is None:
             return updates
         self.ensure_steps(num_steps)
@@ -268,11 +312,11 @@ class DraftGraphRunner:
 
     # -- buckets and capture -----------------------------------------------------------------
 
-    def _max_pages(self, num_steps: int) -> int:
-        """Pages of a request's page table: the longest context plus S+1 new entries, at most
-        the smallest pool (no request holds more)."""
+    def _max_pages(self, new: int) -> int:
+        """Pages of a request's page table: the longest context plus ``new`` entries (S+1 for
+        a chain or an extend), at most the smallest pool (no request holds more)."""
         kvs = self.state.kvs
-        longest = -(-(self.max_model_len + num_steps + 1) // kvs[0].spec.page_size)
+        longest = -(-(self.max_model_len + new) // kvs[0].spec.page_size)
         return min(longest, *(kv.allocator.num_pages for kv in kvs))
 
     def ensure_steps(self, num_steps: int) -> None:
@@ -281,11 +325,11 @@ class DraftGraphRunner:
             return
         d = self.state
         schedule = chain_schedule(num_steps, len(d.modules), d.mode)
-        width, max_pages = num_steps + 1, self._max_pages(num_steps)
+        width, max_pages = num_steps + 1, self._max_pages(num_steps + 1)
         features = None
         if d.modules[0].uses_hidden:
             features = self._zeros(self.batch_sizes[-1] * width, d.feature_size())
-        new: list[LoopEntry | ExtendEntry] = []
+        new: list[Entry] = []
         for bs in self.batch_sizes:
             bucket = Bucket(bs, width)
             args = (self.attention, self.device, max_pages, PAD_BASE)
@@ -294,27 +338,45 @@ class DraftGraphRunner:
             new += [self.loops[bucket], self.extends[bucket]]
         self.steps.append(num_steps)
         if self.use_graphs:
-            self._capture(num_steps, new)
+            self._capture(f"S={num_steps}", new)
 
-    def _capture(self, num_steps: int, entries: list[LoopEntry | ExtendEntry]) -> None:
-        order = sorted(entries, key=lambda e: e.bucket, reverse=True)  # one pool per S
+    def ensure_tree(self, shape: TreeShape) -> None:
+        """Tree-loop buckets for ``shape`` (and, with graphs, their capture), once."""
+        if shape in self.tree_shapes:
+            return
+        if len(self.state.modules) != 1:
+            raise ValueError("tree graphs: need a one-module draft")
+        max_pages = self._max_pages((shape.num_steps - 1) * shape.topk + 1)
+        new: list[Entry] = []
+        for bs in self.batch_sizes:
+            args = (self.attention, self.device, max_pages, PAD_BASE)
+            self.trees[(bs, shape)] = build_tree_entry(self.state, bs, shape, *args)
+            new.append(self.trees[(bs, shape)])
+        self.tree_shapes.append(shape)
+        if self.use_graphs:
+            what = f"K={shape.topk}, S={shape.num_steps}, N={shape.tree_size}"
+            self._capture(what, new)
+
+    def _capture(self, what: str, entries: list[Entry]) -> None:
+        order = sorted(entries, key=lambda e: e.bucket, reverse=True)  # one pool per call
         jobs = [
             (
-                f"{'loop' if isinstance(e, LoopEntry) else 'extend'}, S={num_steps}, "
-                f"{e.bucket.batch_size} requests",
+                f"{_kind(e)}, {what}, {e.bucket.batch_size} requests",
                 partial(self.static.stage, e, e.empty),
                 partial(self._forward, e),
             )
             for e in order
         ]
-        summary = f"{len(order)} draft CUDA graphs (S={num_steps}, batch sizes {self.batch_sizes})"
+        summary = f"{len(order)} draft CUDA graphs ({what}, batch sizes {self.batch_sizes})"
         graphs = capture_all(self.device, jobs, logger, "draft CUDA graph", summary)
         for entry, graph in zip(order, graphs, strict=True):
             entry.graph = graph
 
-    def _forward(self, entry: LoopEntry | ExtendEntry) -> None:
+    def _forward(self, entry: Entry) -> None:
         if isinstance(entry, LoopEntry):
             self._loop_forward(entry)
+        elif isinstance(entry, TreeEntry):
+            tree_forward(self.state, entry, self.last_in[0])
         else:
             self._extend_forward(entry)
 
@@ -323,7 +385,7 @@ class DraftGraphRunner:
         graph of the caller's own holds around it (``tandem/draft/chain_draft.py``)."""
         self._forward(entry)
 
-    def _replay(self, kind: str, entry: LoopEntry | ExtendEntry) -> None:
+    def _replay(self, kind: str, entry: Entry) -> None:
         if entry.graph is not None:
             entry.graph.replay()
         else:
@@ -333,3 +395,10 @@ class DraftGraphRunner:
 
     def _zeros(self, rows: int, width: int) -> torch.Tensor:
         return torch.zeros(rows, width, dtype=self.hidden_dtype, device=self.device)
+
+
+Entry = LoopEntry | ExtendEntry | TreeEntry
+
+
+def _kind(entry: Entry) -> str:
+    return {LoopEntry: "loop", ExtendEntry: "extend", TreeEntry: "tree"}[type(entry)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.graphs.base import WORD_BITS
+from tandem.spec.types import SpecConfig
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,29 @@ def chain_schedule(num_steps: int, num_modules: int, mode: str) -> ChainSchedule
         steps.append(ChainStep(m, depths, counts[m], tuple(sources)))
         counts[m] += len(depths)
     return ChainSchedule(tuple(steps), tuple(counts), tuple(sorted(roots)))
+
+
+@dataclass(frozen=True, order=True)
+class TreeShape:
+    """What a tree loop's graph is captured for: K candidates a step, S steps, N nodes."""
+
+    topk: int
+    num_steps: int
+    tree_size: int
+
+    @classmethod
+    def of(cls, spec: SpecConfig) -> TreeShape:
+        return cls(spec.topk, spec.num_steps, spec.tree_size)
+
+    @property
+    def num_words(self) -> int:
+        return max(1, -(-(self.num_steps - 1) * self.topk // WORD_BITS))
+
+    def schedule(self) -> ChainSchedule:
+        """The scratch entries and positions of the loop, as ``plan_loop`` checks them: step
+        ``s`` runs K nodes of depth ``s`` after ``(s-1)K`` earlier entries."""
+        k = self.topk
+        steps = tuple(
+            ChainStep(0, (s,), (s - 1) * k, ((0, s - 1),)) for s in range(1, self.num_steps)
+        )
+        return ChainSchedule(steps, ((self.num_steps - 1) * k,), (0,))

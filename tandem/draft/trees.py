@@ -6,8 +6,9 @@ dropped once the trees are built. Step 0 takes the top-K of module 0's last comm
 each later step reads the previous step's top-K back, picks the frontier (EAGLE-2: the K best
 new candidates by cumulative score) and builds the scratch masks here.
 
-Trees (K>1) always run this loop: the frontier is data-dependent (``graphs.py`` says what
-would lift that); chains (K=1) run it when no graph bucket takes them.
+With draft graphs, trees of a one-module draft run the same selection on the device
+(``tree_graphs.py``) and chains theirs (``graphs.py``); this loop runs what no bucket takes and
+every tree of a several-module draft.
 """
 
 from __future__ import annotations

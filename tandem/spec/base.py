@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.spec.chain import DraftHalf
-from tandem.spec.types import DraftAdmit, Tree, VerifyOutcome
+from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +130,12 @@ class Drafter(ABC):
         batch_sizes: Sequence[int],
         max_model_len: int,
         num_steps: Sequence[int] = (),
+        trees: Sequence[SpecConfig] = (),
         capture: bool = True,
     ) -> bool:
         """Captures the draft's CUDA graphs for the target's batch buckets (the draft follows
-        the target); False where this drafter has none (an n-gram draft; a draft service
+        the target), chains of each S in ``num_steps`` and trees (K > 1) of each shape in
+        ``trees``; False where this drafter has none (an n-gram draft; a draft service
         captures its own)."""
         logger.info("draft graphs: not available for %s; drafting eagerly", type(self).__name__)
         return False

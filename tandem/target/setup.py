@@ -95,4 +95,5 @@ def enable_graphs(
             batch_sizes=config.graph_batch_sizes,
             max_model_len=max_model_len,
             num_steps=(spec.num_steps,),
+            trees=(spec,),
         )

@@ -170,6 +170,34 @@ def test_output_through_the_service_equals_target_only(
         _close(engine)
 
 
+def test_trees_through_the_service_run_the_draft_tree_loop(
+    ckpts: Checkpoints,
+    draft: ServerThread,
+    reference: list[list[int]],  # noqa: F811
+) -> None:
+    """Trees (K=2, N=6) take the ordinary step at the target and the tree loop's buckets at the
+    draft service (``tandem/draft/tree_graphs.py``): greedy output equals target-only, and the
+    service's draft pool ends empty."""
+    drafter = RemoteDrafter(draft.address, num_target_layers=LAYERS, device=str(DEVICE))
+    assert drafter.wait_ready(60)
+    config = EngineConfig(
+        model=ckpts.target, device=str(DEVICE), page_size=4, num_pages=1024, cuda_graphs=False
+    )
+    spec = SpecConfig(num_steps=NUM_STEPS, topk=2, num_draft_tokens=6)
+    engine = Engine(config, drafter=drafter, spec=spec)
+    try:
+        outputs, _ = drive(engine, PLAN)
+        assert outputs == reference
+        model = draft.server.engine.model
+        assert model is not None and model.graphs is not None
+        trees = {b for kind, b in model.graphs.replays if kind == "tree"}
+        assert len(trees) >= 2, model.graphs.replays
+        engine.flush_draft()
+        _wait(lambda: draft.num_tracked() == 0)
+    finally:
+        drafter.close()
+
+
 def test_a_run_takes_both_lanes_through_the_service(
     ckpts: Checkpoints, draft: ServerThread
 ) -> None:

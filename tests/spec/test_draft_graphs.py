@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -106,12 +107,24 @@ class Twin(Drafter):
 
 
 def twin_engine(
-    ckpts: Checkpoints, kind: str, num_steps: int, *, capture: bool, page_size: int = 4
+    ckpts: Checkpoints,
+    kind: str,
+    num_steps: int,
+    *,
+    capture: bool,
+    page_size: int = 4,
+    topk: int = 1,
+    tree_size: int | None = None,
 ) -> tuple[Engine, Twin]:
+    spec = SpecConfig(num_steps=num_steps, topk=topk, num_draft_tokens=tree_size)
     graph = make_drafter(ckpts, kind, str(DEVICE), page_size, 2048 // page_size)
     eager = make_drafter(ckpts, kind, str(DEVICE), page_size, 2048 // page_size)
-    graph.enable_graphs(
-        batch_sizes=BATCH_SIZES, max_model_len=256, num_steps=(num_steps,), capture=capture
+    graph.use_graphs(
+        batch_sizes=BATCH_SIZES,
+        max_model_len=256,
+        num_steps=(num_steps,),
+        trees=(spec,),
+        capture=capture,
     )
     twin = Twin(graph, eager)
     config = EngineConfig(
@@ -121,7 +134,7 @@ def twin_engine(
         num_pages=4096 // page_size,
         cuda_graphs=False,
     )
-    engine = Engine(config, drafter=twin, spec=SpecConfig(num_steps=num_steps, topk=1))
+    engine = Engine(config, drafter=twin, spec=spec)
     return engine, twin
 
 
@@ -140,10 +153,10 @@ def reference(ckpts: Checkpoints) -> list[list[int]]:
     return target_only(ckpts, PLAN)
 
 
-def check_run(twin: Twin, min_buckets: int) -> None:
+def check_run(twin: Twin, min_buckets: int, loop: str = "loop") -> None:
     runner = twin.graph.graphs
     assert runner is not None
-    loops = {b for kind, b in runner.replays if kind == "loop"}
+    loops = {b for kind, b in runner.replays if kind == loop}
     extends = {b for kind, b in runner.replays if kind == "extend"}
     assert len({b.batch_size for b in loops}) >= min_buckets, runner.replays
     assert extends, "no extend ran in a bucket"
@@ -164,6 +177,47 @@ def test_graph_trees_equal_host_trees(
     check_run(twin, min_buckets=3)
     runner = twin.graph.graphs
     assert runner is not None and not runner.captured
+
+
+@pytest.mark.parametrize(
+    ("kind", "topk", "num_steps", "tree_size", "page_size"),
+    [("eagle3", 4, 5, 16, 4), ("eagle", 2, 3, 6, 1), ("eagle3", 3, 1, 3, 16)],
+)
+def test_graph_trees_of_several_candidates_equal_host_trees(
+    ckpts: Checkpoints,
+    reference: list[list[int]],
+    kind: str,
+    topk: int,
+    num_steps: int,
+    tree_size: int,
+    page_size: int,
+) -> None:
+    """Trees (K > 1) through the tree loop's buckets (EAGLE-2 selection on the device) equal
+    the host path's at every step while the batch moves between buckets; the trees branch."""
+    engine, twin = twin_engine(
+        ckpts,
+        kind,
+        num_steps,
+        capture=False,
+        page_size=page_size,
+        topk=topk,
+        tree_size=tree_size,
+    )
+    shapes = twin.graph.graphs.tree_shapes if twin.graph.graphs else []
+    assert [(s.topk, s.num_steps, s.tree_size) for s in shapes] == [(topk, num_steps, tree_size)]
+    branched = []
+    original = twin.graph.step
+
+    def step(*args: Any) -> dict[str, Tree]:
+        trees = original(*args)
+        branched.extend(len(set(t.parents[1:])) < len(t.parents) - 1 for t in trees.values())
+        return trees
+
+    twin.graph.step = step  # type: ignore[method-assign]
+    outputs, _ = drive(engine, PLAN)
+    assert outputs == reference
+    check_run(twin, min_buckets=3, loop="tree")
+    assert any(branched) and len(branched) == twin.trees
 
 
 def draft_positions(drafter: ModelDrafter, width: int) -> list[list[int]]:
@@ -324,6 +378,27 @@ def test_captured_graph_trees_equal_eager_trees(
     assert outputs == target_only(ckpts, GPU_PLAN)
     check_run(twin, min_buckets=4)
     assert runner.steps == [num_steps]  # nothing captured on the way
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("topk", "num_steps", "tree_size"), [(4, 5, 16), (2, 3, 6)])
+def test_captured_tree_loops_equal_eager_trees(
+    ckpts: Checkpoints, topk: int, num_steps: int, tree_size: int
+) -> None:
+    """Real capture on CUDA: every replayed tree loop against the eager drafter over more than
+    200 steps while the batch moves between buckets."""
+    if DEVICE.type != "cuda":
+        pytest.skip("needs CUDA without TRITON_INTERPRET")
+    engine, twin = twin_engine(
+        ckpts, "eagle3", num_steps, capture=True, topk=topk, tree_size=tree_size
+    )
+    runner = twin.graph.graphs
+    assert runner is not None and runner.captured and len(runner.tree_shapes) == 1
+    outputs, steps = drive(engine, GPU_PLAN)
+    assert steps >= 200
+    assert outputs == target_only(ckpts, GPU_PLAN)
+    check_run(twin, min_buckets=4, loop="tree")
+    assert len(runner.tree_shapes) == 1  # nothing captured on the way
 
 
 @pytest.mark.gpu
