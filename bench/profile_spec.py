@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--warmup-tokens", type=int, default=64)
     p.add_argument("--spec-steps", type=int, default=3)
+    p.add_argument("--spec-topk", type=int, default=1, help="K (> 1: trees)")
+    p.add_argument("--spec-tokens", type=int, default=None, help="N (default S+1)")
     p.add_argument("--simulate-accept-length", type=float, default=3.0)
     p.add_argument("--policy", default="fixed", choices=["fixed", "adaptive", "k0"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -87,7 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     dtype = args.dtype or preset.dtype
     root = args.models_dir / f"{preset.name}-{dtype}"
     paths = write_preset(preset, root, device=args.device, dtype=dtype)
-    spec = SpecConfig(num_steps=args.spec_steps)
+    spec = SpecConfig(
+        num_steps=args.spec_steps, topk=args.spec_topk, num_draft_tokens=args.spec_tokens
+    )
     w = Workload(
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,
