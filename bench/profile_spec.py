@@ -38,12 +38,14 @@ from tandem.bench import idle
 from tandem.bench.inprocess import Workload, build_engine, pages_needed, prompts
 from tandem.bench.models import write_preset
 from tandem.bench.presets import PRESETS
+from tandem.draft import drafter as drafter_module
 from tandem.link.grpc_transport import GrpcTransport
 from tandem.link.local import LocalLink
 from tandem.link.remote import RemoteDrafter
 from tandem.models.config import ModelConfig
 from tandem.sampling import SamplingParams
 from tandem.spec.types import SpecConfig
+from tandem.target import sync_mode
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -275,12 +277,15 @@ def profile(
     timer = PhaseTimer()
     ex = engine.exchange
     assert ex is not None
-    drafter_phases = [
+    graph_runner = getattr(engine.drafter, "graphs", None)
+    drafter_phases: list[tuple[Any, str, str]] = [
         (engine.drafter, "step", "  drafter.step"),
         (engine.drafter, "_extend", "    drafter._extend"),
         (engine.drafter, "_draft", "    drafter._draft"),
-        (engine.drafter, "_run", "      drafter._run (eager)"),
+        (drafter_module, "draft_eagerly", "      draft_eagerly (host loop)"),
     ]
+    if graph_runner is not None:
+        drafter_phases.append((graph_runner, "draft", "      graphs.draft (chain or tree loop)"))
     timeline = None if remote is None else RemoteTimeline(remote)
     for obj, attr, phase in (
         (ex, "collect_idle", "draft collect_idle"),
@@ -290,8 +295,8 @@ def profile(
         (engine.scheduler, "schedule", "schedule"),
         (engine.runner, "prepare", "prepare"),
         (engine.runner, "forward", "forward (+sync)"),
-        (engine, "_verify", "verify"),
-        (engine, "_commit", "commit"),
+        (sync_mode, "verify_rows", "verify (+read)"),
+        (sync_mode, "commit", "commit"),
         (engine.scheduler, "postprocess", "postprocess"),
     ):
         timer.wrap(obj, attr, phase)
