@@ -110,7 +110,7 @@ def verify(
                 processed, top_ids, trees, reqs, starts, width, coin_block, ops
             )
     if simulate is not None:  # perf only: the verdict above is overridden (its cost is kept)
-        paths = simulate.paths(trees)
+        paths = simulate.paths(trees, reqs)
         a = accept_index.shape[1]
         accept_index, accept_len, last_rows = device_segments(
             [

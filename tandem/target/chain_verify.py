@@ -3,13 +3,14 @@
 One target launch: the verify bucket over ``Chains`` (node i of row b at KV index and position
 ``base[b] + i``: a chain needs no KV move), its ids, positions, slots and lengths written on the
 device; the greedy verdict (``top1`` at every node, the accepted prefix, the new tokens and
-their log-probabilities; with a simulator, a drawn accept length); the verdict's copy into
+their log-probabilities; with a simulator, the accept length it draws for each row's prompt
+and position, ``tandem.spec.simulate``); the verdict's copy into
 pinned memory for the host; ``Outcome`` for the draft (the old base, the accept lengths, the
 new tokens, every node's target features); ``base`` advanced. The host reads a step's verdict
 after launching the next one.
 
-With the target's graphs captured, all of that but the page tables' growth, the simulator's
-noise and the verdict's copy out is one CUDA graph per bucket (captured at the bucket's first
+With the target's graphs captured, all of that but the page tables' growth and the verdict's
+copy out is one CUDA graph per bucket (captured at the bucket's first
 launch, over the bucket's own state buffers and the ``Outcome`` bound then; ``DeviceChain.warm``
 launches every bucket once before a run needs it): one launch a step instead of about fifty
 small kernels and a replay.
@@ -35,7 +36,7 @@ from tandem.kv import KVCache
 from tandem.request import Request
 from tandem.sampling import SamplingBatch, process_logits
 from tandem.spec.chain import Chains, Outcome, grow_tables, share_on_cpu
-from tandem.spec.simulate import AcceptSimulator
+from tandem.spec.simulate import AcceptSimulator, unit_tensor
 from tandem.spec.types import Tree, valid_depth
 from tandem.spec.verify import draw_randomness
 from tandem.target.chain_sampling import ChainSampling, Filters, sampled_verdict
@@ -61,7 +62,7 @@ class _Static:
     base: torch.Tensor  # [bs] int64: KV index of each row's node 0
     alive: torch.Tensor  # [bs] bool
     drafted: torch.Tensor  # [bs] bool: rows the draft drafts for (the others opted out)
-    noise: torch.Tensor  # [bs] float32: the simulator's draw for the step
+    keys: torch.Tensor  # [bs] int64: each row's simulator key (tandem.spec.simulate)
     verdict: torch.Tensor  # [bs, 2 + 2(S+1)] float64: accepted, drafted, tokens, logprobs
     chains: Chains
     # Per filters (None: every row greedy), the captured step and the data_ptr of the Outcome
@@ -97,12 +98,10 @@ class TargetChain:
         self.width = num_steps + 1
         self.device = target.device
         self.on_cuda = self.device.type == "cuda"
-        self.mu = 0.0
-        self.generator: torch.Generator | None = None
-        if simulator is not None:  # perf only: tandem.spec.simulate
-            self.mu = simulator.mu
-            self.generator = torch.Generator(device=self.device)
-            self.generator.manual_seed(0)
+        self.simulator = simulator  # perf only: tandem.spec.simulate
+        self._thresholds = torch.tensor(
+            simulator.thresholds if simulator is not None else [], dtype=torch.float64
+        ).to(self.device)
         max_bs = max(target.batch_sizes)
         self._verdicts = torch.zeros(
             _RING, max_bs, 2 + 2 * self.width, dtype=torch.float64, pin_memory=self.on_cuda
@@ -163,6 +162,9 @@ class TargetChain:
         static.alive.copy_(torch.tensor([True] * n + [False] * missing))
         static.drafted.copy_(torch.tensor([True] * drafted + [False] * (bs - drafted)))
         static.base.copy_(torch.tensor([r.num_computed for r in reqs] + [0] * missing))
+        if self.simulator is not None:
+            keys = [self.simulator.key(r) for r in reqs]
+            static.keys.copy_(torch.tensor(keys + [0] * missing, dtype=torch.int64))
         static.chains.tokens.copy_(torch.tensor(tokens + [[0] * w] * missing))
         static.chains.valid.copy_(torch.tensor(valid + [[False] * self.num_steps] * missing))
         self.chains = static.chains
@@ -192,7 +194,7 @@ class TargetChain:
                 base=torch.zeros(bs, dtype=torch.int64, device=dev),
                 alive=torch.zeros(bs, dtype=torch.bool, device=dev),
                 drafted=torch.zeros(bs, dtype=torch.bool, device=dev),
-                noise=torch.zeros(bs, device=dev),
+                keys=torch.zeros(bs, dtype=torch.int64, device=dev),
                 verdict=torch.zeros(bs, 2 + 2 * w, dtype=torch.float64, device=dev),
                 chains=Chains(
                     tokens=torch.zeros(bs, w, dtype=torch.int64, device=dev),
@@ -230,10 +232,6 @@ class TargetChain:
         table = self.target.buffers(bucket).backend.graph_meta.page_table
         for i, rid in enumerate(self.request_ids):
             self._pages[i] = grow_tables([table], i, self.alloc.pages(rid), self._pages[i])
-        if self.generator is not None:
-            torch.randn(
-                bucket.batch_size, device=self.device, generator=self.generator, out=static.noise
-            )
         if self._filters is not None:
             assert static.coins is not None and static.race is not None
             draw_randomness(self._generators, static.coins, static.race)
@@ -282,13 +280,14 @@ class TargetChain:
         drafts = static.chains.tokens[:, 1:]
         valid = static.chains.valid & static.drafted[:, None]
         depth = torch.cumprod(valid.long(), 1).sum(1)
-        if self.generator is not None:
-            drawn = torch.floor(static.noise + self.mu + 0.5).long().clamp(0, s)
+        if self.simulator is not None:  # the host's draw (AcceptSimulator.draw), on the device
+            u = unit_tensor(static.keys, base)
+            drawn = (u[:, None] < self._thresholds[None, :]).sum(1)
             accepted = torch.minimum(drawn, depth)
         else:  # greedy: a draft is accepted while it is the target's choice at its parent
             accepted = torch.cumprod(((drafts == choice[:, :s]) & valid).long(), 1).sum(1)
         # Sampled rows' own verdict and bonus tokens (a greedy row's bonus is the choice).
-        sampled = static.sampled if self._filters is not None and self.generator is None else None
+        sampled = static.sampled if self._filters is not None and self.simulator is None else None
         if sampled is not None:
             assert static.coins is not None and static.race is not None
             drawn_accepted, bonus = sampled_verdict(

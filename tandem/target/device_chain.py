@@ -241,8 +241,6 @@ class DeviceChain:
         features = self.target_graphs.features
         width = None if features is None else features.shape[1]
         counts = dict(self.target.steps), dict(self.draft.steps)
-        noise = self.target.generator  # the simulator's: its draws stay those of the runs
-        noise_state = None if noise is None else noise.get_state()
         warmed = 0
         for batch_size in sorted(self.target_graphs.batch_sizes, reverse=True):
             bucket = self.target_graphs.bucket_for(batch_size, self.width)
@@ -265,8 +263,6 @@ class DeviceChain:
                 break
             warmed += 1
         self.target.steps, self.draft.steps = counts
-        if noise is not None and noise_state is not None:
-            noise.set_state(noise_state)
         self.warmed += warmed
         logger.info("device chain: %d buckets warmed", warmed)
         return warmed

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from tests.kernels._interpret import check_mode  # sets Triton's mode: import first
+from tests.kernels._interpret import DEVICE, check_mode  # sets Triton's mode: import first
 
 # isort: split
 from kernels.attention import _tree_attention_kernel
@@ -264,6 +264,33 @@ def test_simulated_acceptance_runs_on_the_device(ckpts: Checkpoints) -> None:
     chain = engine.chain
     assert chain is not None and chain.launches >= 5
     check_pools_empty(engine)
+
+
+def test_simulated_draws_are_the_ordinary_steps(ckpts: Checkpoints) -> None:
+    """A draw is a function of the prompt and the position (tandem.spec.simulate): requests
+    arriving at different steps commit the same tokens (the draft's, as simulation commits
+    them) and accept the same drafts through device-chain runs as through ordinary steps."""
+    plan = [
+        Arrival(step=0, prompt=[5, 9, 17], max_new_tokens=40),
+        Arrival(step=2, prompt=[8, 8, 40, 3], max_new_tokens=33),
+        Arrival(step=5, prompt=[77, 12], max_new_tokens=26),
+    ]
+    chained = chain_engine(ckpts, "eagle3", 3, simulate=3.0)
+    outputs, _ = drive(chained, plan)
+    assert chained.chain is not None and chained.chain.launches >= 10
+    config = EngineConfig(
+        model=ckpts.target,
+        device=str(DEVICE),
+        page_size=4,
+        num_pages=1024,
+        cuda_graphs=False,
+        simulate_accept_length=3.0,
+    )
+    drafter = make_drafter(ckpts, "eagle3", str(DEVICE), 4, 512)
+    ordinary = Engine(config, drafter=drafter, spec=SpecConfig(num_steps=3, topk=1))
+    expected, _ = drive(ordinary, plan)
+    assert outputs == expected
+    assert len({tuple(o) for o in outputs}) == 3
 
 
 def _run_to_finish(

@@ -1,6 +1,7 @@
 """Simulated acceptance (perf only): the mean accept length is what was asked, the accepted
 path goes into the deepest subtree (the first child on a tie), the bonus is the target's argmax,
-and nothing leaks."""
+a draw is a function of the prompt and the position (the same on the host and on a device), and
+nothing leaks."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import torch
 from tandem.config import EngineConfig
 from tandem.request import Request
 from tandem.sampling import SamplingParams
-from tandem.spec.simulate import AcceptSimulator, expected_accepted, parse_accept_length
+from tandem.spec.simulate import (
+    AcceptSimulator,
+    expected_accepted,
+    parse_accept_length,
+    prompt_key,
+    unit,
+    unit_tensor,
+)
 from tandem.spec.types import SpecConfig, Tree
 from tandem.spec.verify import verify
 from tandem.target.engine import Engine
@@ -38,7 +46,7 @@ def test_verify_accepts_the_asked_mean(steps: int, accept_length: float) -> None
     lengths: list[int] = []
     for _ in range(4):  # 4 verify steps of 500 requests
         trees = [chain(rng, steps) for _ in range(500)]
-        reqs = [Request(request_id=str(i), prompt_ids=[1], params=params) for i in range(500)]
+        reqs = [Request(request_id=str(i), prompt_ids=[i], params=params) for i in range(500)]
         logits = torch.randn(500 * (steps + 1), VOCAB)
         done = verify(logits, trees, reqs, coin_block=steps + 1, simulate=simulator)
         for b, (tree, v) in enumerate(zip(trees, done, strict=True)):
@@ -59,13 +67,38 @@ def test_solved_mean_is_exact_and_endpoints_are_constant() -> None:
             if a <= steps + 1:
                 sim = AcceptSimulator(a, steps)
                 assert expected_accepted(sim.mu, steps) == pytest.approx(a - 1, abs=1e-9)
-    assert {AcceptSimulator(1.0, 3).draw() for _ in range(50)} == {0}
-    assert {AcceptSimulator(4.0, 3).draw() for _ in range(50)} == {3}
+    assert {AcceptSimulator(1.0, 3).draw(key, 9) for key in range(50)} == {0}
+    assert {AcceptSimulator(4.0, 3).draw(key, 9) for key in range(50)} == {3}
 
 
-def test_same_seed_same_draws() -> None:
+def test_a_draw_is_a_function_of_seed_prompt_and_position() -> None:
     a, b = AcceptSimulator(2.5, 4, seed=7), AcceptSimulator(2.5, 4, seed=7)
-    assert [a.draw() for _ in range(100)] == [b.draw() for _ in range(100)]
+    params = SamplingParams(max_new_tokens=8)
+    one = Request(request_id="x", prompt_ids=[3, 1, 4], params=params)
+    two = Request(request_id="y", prompt_ids=[3, 1, 4], params=params)  # same prompt
+    assert a.key(one) == b.key(two) == prompt_key([3, 1, 4], 7) != prompt_key([3, 1, 4], 8)
+    assert prompt_key([3, 1, 4]) != prompt_key([3, 1, 5])
+    draws = [a.draw(a.key(one), p) for p in range(400)]
+    assert draws == [b.draw(b.key(two), p) for p in range(400)]
+    assert set(draws) == set(range(5))  # every depth of S=4 drawn
+    other = AcceptSimulator(2.5, 4, seed=8)
+    assert draws != [other.draw(other.key(one), p) for p in range(400)]
+
+
+def test_the_device_draws_the_hosts_bits() -> None:
+    """``unit_tensor`` (the device chain's draw, inside its graph) equals ``unit`` bit for bit,
+    over the whole int64 range of keys."""
+    rng = random.Random(3)
+    keys = [rng.randrange(-(2**63), 2**63) for _ in range(4000)] + [0, -1, 2**63 - 1, -(2**63)]
+    positions = [rng.randrange(0, 1 << 20) for _ in keys]
+    for device in ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]:
+        drawn = unit_tensor(
+            torch.tensor(keys, device=device), torch.tensor(positions, device=device)
+        )
+        assert drawn.tolist() == [unit(k, p) for k, p in zip(keys, positions, strict=True)]
+    units = [unit(k, p) for k, p in zip(keys, positions, strict=True)]
+    assert min(units) >= 0.0 and max(units) < 1.0
+    assert abs(sum(units) / len(units) - 0.5) < 0.02
 
 
 def test_trees_follow_the_deepest_first_child_and_stop_at_leaves() -> None:
@@ -74,14 +107,14 @@ def test_trees_follow_the_deepest_first_child_and_stop_at_leaves() -> None:
     #    3   4
     tree = Tree(tokens=(0, 1, 2, 3, 4), parents=(-1, 0, 0, 1, 2))
     sim = AcceptSimulator(4.0, 3)  # always 3 deep, but the tree is 2 deep along first children
-    assert sim.path(tree) == [0, 1, 3]
-    assert sim.path(Tree(tokens=(5,), parents=(-1,))) == [0]
+    assert sim.path(tree, 1, 2) == [0, 1, 3]
+    assert sim.path(Tree(tokens=(5,), parents=(-1,)), 1, 2) == [0]
     #      0
     #    1   2       node 1 is a leaf: the path takes node 2's deeper branch
     #        3 4
     #        5
     deep = Tree(tokens=(0, 1, 2, 3, 4, 5), parents=(-1, 0, 0, 2, 2, 3))
-    assert sim.path(deep) == [0, 2, 3, 5]
+    assert sim.path(deep, 1, 2) == [0, 2, 3, 5]
 
 
 def test_bad_values_name_the_field() -> None:
