@@ -181,7 +181,12 @@ def test_graph_trees_equal_host_trees(
 
 @pytest.mark.parametrize(
     ("kind", "topk", "num_steps", "tree_size", "page_size"),
-    [("eagle3", 4, 5, 16, 4), ("eagle", 2, 3, 6, 1), ("eagle3", 3, 1, 3, 16)],
+    [
+        ("eagle3", 4, 5, 16, 4),
+        ("eagle", 2, 3, 6, 1),
+        ("model", 2, 4, 7, 4),
+        ("eagle3", 3, 1, 3, 16),
+    ],
 )
 def test_graph_trees_of_several_candidates_equal_host_trees(
     ckpts: Checkpoints,
