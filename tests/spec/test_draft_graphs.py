@@ -225,6 +225,38 @@ def test_graph_trees_of_several_candidates_equal_host_trees(
     assert any(branched) and len(branched) == twin.trees
 
 
+def test_tree_loops_stop_where_the_host_loop_stops(
+    ckpts: Checkpoints, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows with NaN logits (here: every row whose best token is a multiple of 5): the host
+    loop adds the children of the step's valid rows, then stops the request; the tree loop's
+    trees are the same, every step. Greedy output is still target-only's."""
+    engine, twin = twin_engine(ckpts, "eagle3", 4, capture=False, topk=3, tree_size=9)
+    for drafter in (twin.graph, twin.eager):
+        module = drafter.modules[0]
+        logits_of = module.compute_logits
+
+        def poisoned(out: torch.Tensor, logits_of: Any = logits_of) -> torch.Tensor:
+            logits = logits_of(out)
+            bad = (logits.argmax(-1) % 5 == 0)[:, None]
+            return torch.where(bad, torch.full_like(logits, float("nan")), logits)
+
+        monkeypatch.setattr(module, "compute_logits", poisoned)
+    sizes: list[int] = []
+    original = twin.graph.step
+
+    def step(*args: Any) -> dict[str, Tree]:
+        trees = original(*args)
+        sizes.extend(len(t) for t in trees.values())
+        return trees
+
+    twin.graph.step = step  # type: ignore[method-assign]
+    outputs, _ = drive(engine, PLAN)
+    assert outputs == reference
+    check_run(twin, min_buckets=3, loop="tree")
+    assert 1 in sizes and 9 in sizes and any(1 < n < 9 for n in sizes), sorted(set(sizes))
+
+
 def draft_positions(drafter: ModelDrafter, width: int) -> list[list[int]]:
     """The RoPE positions of every module forward of one step: an outcome, then a chain."""
     seen: list[list[int]] = []
