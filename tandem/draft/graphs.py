@@ -59,7 +59,7 @@ from tandem.draft.buffers import (
 )
 from tandem.draft.plan import plan_extend, plan_loop
 from tandem.draft.schedule import TreeShape, chain_schedule
-from tandem.draft.state import ModelDraftState, Update
+from tandem.draft.state import DraftSeq, ModelDraftState, Update
 from tandem.draft.tree_graphs import read_trees, tree_forward, tree_values
 from tandem.graphs.base import Bucket, capture_all
 from tandem.models import ForwardContext
@@ -146,7 +146,7 @@ class DraftGraphRunner:
         if bs is None:
             return None
         if seqs[0].spec.topk > 1:
-            return self._draft_trees(request_ids, bs)
+            return self._draft_trees(request_ids, seqs, bs)
         if any(s.spec.topk != 1 or s.spec.num_steps != num_steps for s in seqs):
             return None
         schedule = chain_schedule(num_steps, len(d.modules), d.mode)
@@ -177,12 +177,13 @@ class DraftGraphRunner:
             trees[request_id] = Tree.chain([seq.tokens[-1], *(int(t) for t in ids[i][:depth])])
         return trees
 
-    def _draft_trees(self, request_ids: list[str], bs: int) -> dict[str, Tree] | None:
+    def _draft_trees(
+        self, request_ids: list[str], seqs: list[DraftSeq], bs: int
+    ) -> dict[str, Tree] | None:
         """The tree of every request through its bucket's tree loop (``tree_graphs.py``);
         None when the step has to run on the host: several modules, requests of different
         tree shapes, K above the draft's vocabulary, or what sends a chain there."""
         d = self.state
-        seqs = [d.seqs[r] for r in request_ids]
         shape = TreeShape.of(seqs[0].spec)
         if len(d.modules) != 1 or any(TreeShape.of(s.spec) != shape for s in seqs):
             return None

@@ -163,13 +163,8 @@ def parse_accept_length(raw: str, num_steps: int | None) -> float:
 
 
 def expected_accepted(mu: float, num_steps: int) -> float:
-    """E[clamp(round(X), 0, S)] for X ~ N(mu, 1)."""
-
-    def cdf(x: float) -> float:
-        return 0.5 * (1.0 + math.erf((x - mu) / math.sqrt(2.0)))
-
-    # E[k] = sum_{j=1..S} P(k >= j), and P(k >= j) = P(X >= j - 0.5) for 1 <= j <= S.
-    return sum(1.0 - cdf(j - 0.5) for j in range(1, num_steps + 1))
+    """E[clamp(round(X), 0, S)] for X ~ N(mu, 1): the sum over j = 1..S of P(k >= j)."""
+    return sum(_at_least(j, mu) for j in range(1, num_steps + 1))
 
 
 def _solve_mean(target: float, num_steps: int) -> float:
