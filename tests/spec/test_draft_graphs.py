@@ -7,14 +7,13 @@ state (each module's last output) must agree, while requests arrive and finish (
 between buckets and pads), for EAGLE-3 and chained MTP at S=5 and S=3. Greedy output stays the
 target-only output and both draft pools end empty. Draft-step positions (SGLang #25015) and the
 chained-MTP hidden rule (#22041) are checked directly. The ``gpu`` tests capture for real and
-compare graph replays against the eager drafter over more than 200 steps.
+compare graph replays against the eager drafter over more than 200 steps. Trees (K > 1):
+``test_draft_tree_graphs.py``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
 
 import pytest
 import torch
@@ -28,22 +27,22 @@ from tandem.draft.build import build_drafter
 from tandem.draft.drafter import ModelDrafter
 from tandem.graphs.base import Bucket
 from tandem.models.config import ModelConfig
-from tandem.spec.base import Drafter
-from tandem.spec.types import DraftAdmit, SpecConfig, Tree, VerifyOutcome
+from tandem.spec.types import DraftAdmit, SpecConfig, VerifyOutcome
 from tandem.target.engine import Engine
-from tests.driving import Arrival, arrivals, drive
-from tests.spec.conftest import KINDS, LAYERS, VOCAB, Checkpoints, make_drafter
+from tests.driving import drive
+from tests.helpers.draft_twin import (  # noqa: F401 (reference: a fixture)
+    BATCH_SIZES,
+    GPU_PLAN,
+    PLAN,
+    Twin,
+    check_run,
+    reference,
+    target_only,
+    twin_engine,
+)
+from tests.spec.conftest import KINDS, LAYERS, Checkpoints, make_drafter
 
 check_mode(_tree_attention_kernel)
-
-# A one-token prompt: the admission carries two committed tokens, the least a chain needs.
-PLAN = [
-    Arrival(step=0, prompt=[5], max_new_tokens=12),
-    *arrivals(8, VOCAB, every=2, new_tokens=(4, 24), seed=7),
-]
-GPU_PLAN = arrivals(40, VOCAB, every=5, new_tokens=(16, 80), seed=11)
-BATCH_SIZES = (1, 2, 4, 8)
-ATOL = 1e-4  # carried hidden states: Triton attention on static buffers against the host path
 
 
 def test_transposed_draft_weights_change_only_their_layout(ckpts: Checkpoints) -> None:
@@ -64,112 +63,18 @@ def test_transposed_draft_weights_change_only_their_layout(ckpts: Checkpoints) -
         assert m.weight.t().is_contiguous() and not m.weight.is_contiguous()
 
 
-class Twin(Drafter):
-    """Steps a graph drafter and a host-path drafter alike; their answers must be equal."""
-
-    def __init__(self, graph: ModelDrafter, eager: ModelDrafter) -> None:
-        self.graph, self.eager = graph, eager
-        self.target_layer_ids = graph.target_layer_ids
-        self.steps = 0
-        self.trees = 0
-
-    def step(
-        self,
-        admits: Sequence[DraftAdmit],
-        outcomes: Sequence[VerifyOutcome],
-        released: Sequence[str],
-    ) -> dict[str, Tree]:
-        expected = self.eager.step(admits, outcomes, released)
-        trees = self.graph.step(admits, outcomes, released)
-        assert trees == expected, f"step {self.steps}"
-        assert self.graph.seqs.keys() == self.eager.seqs.keys()
-        for request_id, seq in self.graph.seqs.items():
-            twin = self.eager.seqs[request_id]
-            assert seq.tokens == twin.tokens
-            for ours, theirs in zip(seq.last_out, twin.last_out, strict=True):
-                assert (ours is None) == (theirs is None)
-                if ours is not None and theirs is not None:
-                    torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
-            for kv, twin_kv in zip(self.graph.kvs, self.eager.kvs, strict=True):
-                count = kv.allocator.num_tokens(request_id)
-                assert count == twin_kv.allocator.num_tokens(request_id)
-        self.steps += 1
-        self.trees += len(trees)
-        return trees
-
-    def take_dropped(self) -> list[str]:
-        dropped = self.graph.take_dropped()
-        assert dropped == self.eager.take_dropped()
-        return dropped
-
-    def num_tracked(self) -> int:
-        return self.graph.num_tracked()
-
-
-def twin_engine(
-    ckpts: Checkpoints,
-    kind: str,
-    num_steps: int,
-    *,
-    capture: bool,
-    page_size: int = 4,
-    topk: int = 1,
-    tree_size: int | None = None,
-) -> tuple[Engine, Twin]:
-    spec = SpecConfig(num_steps=num_steps, topk=topk, num_draft_tokens=tree_size)
-    graph = make_drafter(ckpts, kind, str(DEVICE), page_size, 2048 // page_size)
-    eager = make_drafter(ckpts, kind, str(DEVICE), page_size, 2048 // page_size)
-    graph.use_graphs(
-        batch_sizes=BATCH_SIZES,
-        max_model_len=256,
-        num_steps=(num_steps,),
-        trees=(spec,),
-        capture=capture,
-    )
-    twin = Twin(graph, eager)
-    config = EngineConfig(
-        model=ckpts.target,
-        device=str(DEVICE),
-        page_size=page_size,
-        num_pages=4096 // page_size,
-        cuda_graphs=False,
-    )
-    engine = Engine(config, drafter=twin, spec=spec)
-    return engine, twin
-
-
 def feature_width(drafter: ModelDrafter, ckpts: Checkpoints) -> int:
     hidden = ModelConfig.from_pretrained(ckpts.target).hidden_size
     return len(drafter.target_layer_ids) * hidden
 
 
-def target_only(ckpts: Checkpoints, plan: Sequence[Arrival]) -> list[list[int]]:
-    config = EngineConfig(model=ckpts.target, device=str(DEVICE), num_pages=256, cuda_graphs=False)
-    return drive(Engine(config), plan)[0]
-
-
-@pytest.fixture(scope="module")
-def reference(ckpts: Checkpoints) -> list[list[int]]:
-    return target_only(ckpts, PLAN)
-
-
-def check_run(twin: Twin, min_buckets: int, loop: str = "loop") -> None:
-    runner = twin.graph.graphs
-    assert runner is not None
-    loops = {b for kind, b in runner.replays if kind == loop}
-    extends = {b for kind, b in runner.replays if kind == "extend"}
-    assert len({b.batch_size for b in loops}) >= min_buckets, runner.replays
-    assert extends, "no extend ran in a bucket"
-    assert twin.trees > 0 and twin.num_tracked() == 0
-    for drafter in (twin.graph, twin.eager):
-        for kv in drafter.kvs:
-            assert kv.allocator.num_free_pages == kv.allocator.num_pages, "draft KV leaked"
-
-
 @pytest.mark.parametrize("num_steps", [5, 3])
 @pytest.mark.parametrize("kind", ["eagle3", "mtp-chain"])
 def test_graph_trees_equal_host_trees(
-    ckpts: Checkpoints, reference: list[list[int]], kind: str, num_steps: int
+    ckpts: Checkpoints,
+    reference: list[list[int]],  # noqa: F811
+    kind: str,
+    num_steps: int,
 ) -> None:
     engine, twin = twin_engine(ckpts, kind, num_steps, capture=False)
     outputs, _ = drive(engine, PLAN)
@@ -177,84 +82,6 @@ def test_graph_trees_equal_host_trees(
     check_run(twin, min_buckets=3)
     runner = twin.graph.graphs
     assert runner is not None and not runner.captured
-
-
-@pytest.mark.parametrize(
-    ("kind", "topk", "num_steps", "tree_size", "page_size"),
-    [
-        ("eagle3", 4, 5, 16, 4),
-        ("eagle", 2, 3, 6, 1),
-        ("model", 2, 4, 7, 4),
-        ("eagle3", 3, 1, 3, 16),
-    ],
-)
-def test_graph_trees_of_several_candidates_equal_host_trees(
-    ckpts: Checkpoints,
-    reference: list[list[int]],
-    kind: str,
-    topk: int,
-    num_steps: int,
-    tree_size: int,
-    page_size: int,
-) -> None:
-    """Trees (K > 1) through the tree loop's buckets (EAGLE-2 selection on the device) equal
-    the host path's at every step while the batch moves between buckets; the trees branch."""
-    engine, twin = twin_engine(
-        ckpts,
-        kind,
-        num_steps,
-        capture=False,
-        page_size=page_size,
-        topk=topk,
-        tree_size=tree_size,
-    )
-    shapes = twin.graph.graphs.tree_shapes if twin.graph.graphs else []
-    assert [(s.topk, s.num_steps, s.tree_size) for s in shapes] == [(topk, num_steps, tree_size)]
-    branched = []
-    original = twin.graph.step
-
-    def step(*args: Any) -> dict[str, Tree]:
-        trees = original(*args)
-        branched.extend(len(set(t.parents[1:])) < len(t.parents) - 1 for t in trees.values())
-        return trees
-
-    twin.graph.step = step  # type: ignore[method-assign]
-    outputs, _ = drive(engine, PLAN)
-    assert outputs == reference
-    check_run(twin, min_buckets=3, loop="tree")
-    assert any(branched) and len(branched) == twin.trees
-
-
-def test_tree_loops_stop_where_the_host_loop_stops(
-    ckpts: Checkpoints, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Rows with NaN logits (here: every row whose best token is a multiple of 5): the host
-    loop adds the children of the step's valid rows, then stops the request; the tree loop's
-    trees are the same, every step. Greedy output is still target-only's."""
-    engine, twin = twin_engine(ckpts, "eagle3", 4, capture=False, topk=3, tree_size=9)
-    for drafter in (twin.graph, twin.eager):
-        module = drafter.modules[0]
-        logits_of = module.compute_logits
-
-        def poisoned(out: torch.Tensor, logits_of: Any = logits_of) -> torch.Tensor:
-            logits = logits_of(out)
-            bad = (logits.argmax(-1) % 5 == 0)[:, None]
-            return torch.where(bad, torch.full_like(logits, float("nan")), logits)
-
-        monkeypatch.setattr(module, "compute_logits", poisoned)
-    sizes: list[int] = []
-    original = twin.graph.step
-
-    def step(*args: Any) -> dict[str, Tree]:
-        trees = original(*args)
-        sizes.extend(len(t) for t in trees.values())
-        return trees
-
-    twin.graph.step = step  # type: ignore[method-assign]
-    outputs, _ = drive(engine, PLAN)
-    assert outputs == reference
-    check_run(twin, min_buckets=3, loop="tree")
-    assert 1 in sizes and 9 in sizes and any(1 < n < 9 for n in sizes), sorted(set(sizes))
 
 
 def draft_positions(drafter: ModelDrafter, width: int) -> list[list[int]]:
@@ -415,27 +242,6 @@ def test_captured_graph_trees_equal_eager_trees(
     assert outputs == target_only(ckpts, GPU_PLAN)
     check_run(twin, min_buckets=4)
     assert runner.steps == [num_steps]  # nothing captured on the way
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("topk", "num_steps", "tree_size"), [(4, 5, 16), (2, 3, 6)])
-def test_captured_tree_loops_equal_eager_trees(
-    ckpts: Checkpoints, topk: int, num_steps: int, tree_size: int
-) -> None:
-    """Real capture on CUDA: every replayed tree loop against the eager drafter over more than
-    200 steps while the batch moves between buckets."""
-    if DEVICE.type != "cuda":
-        pytest.skip("needs CUDA without TRITON_INTERPRET")
-    engine, twin = twin_engine(
-        ckpts, "eagle3", num_steps, capture=True, topk=topk, tree_size=tree_size
-    )
-    runner = twin.graph.graphs
-    assert runner is not None and runner.captured and len(runner.tree_shapes) == 1
-    outputs, steps = drive(engine, GPU_PLAN)
-    assert steps >= 200
-    assert outputs == target_only(ckpts, GPU_PLAN)
-    check_run(twin, min_buckets=4, loop="tree")
-    assert len(runner.tree_shapes) == 1  # nothing captured on the way
 
 
 @pytest.mark.gpu
