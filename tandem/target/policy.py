@@ -19,7 +19,9 @@ windows' median steps would have decided otherwise (a few cold steps decided it)
 at once.
 
 The catch-up steps a window skips (below) are no part of its rate, but they are part of
-what measuring that mode cost: when it loses, they count in the debt with its window.
+what measuring that mode cost: when it loses, they count in the debt with its window. A
+window of K=0 that loses costs, beyond itself, the catch-up when speculation runs again (the
+draft takes in what the window held): that counts in its debt too.
 
 A new bucket starts in the mode the last step ran (a batch growing or shrinking across a
 bucket boundary keeps its mode until measured), except above a bucket that runs K=0 by its
@@ -127,6 +129,9 @@ class _Bucket:
     # as soon as the budget covers the catch-up.
     predicted: bool = False
     catch_up: tuple[int, int] = (0, 0)  # their (tokens, ns)
+    # Speculation runs again after a window of K=0 lost to it: the draft's catch-up on what
+    # that window held is part of what measuring K=0 cost (added to ``debt_ns`` once over).
+    resuming: bool = False
     held_at_switch: int = 0  # tokens the draft had to take in when speculation was measured
     # Per mode, the (tokens, ns) its last window skipped: no part of its rate, but part of
     # what measuring it cost when it loses.
@@ -189,6 +194,8 @@ class SpecPolicy:
             return
         b.steps += 1
         if not b.measuring:
+            if b.resuming:
+                self._resume(b, committed_tokens, step_ns, settled=settled)
             b.tokens += committed_tokens
             b.ns += step_ns
             interval = min(c.explore_steps, c.first_explore_steps << max(0, b.decisions - 1))
@@ -248,7 +255,29 @@ class SpecPolicy:
             b.typical.get(Mode.PLAIN, 0.0),
             b.unsettled,
         )
+        measured_plain = b.mode is Mode.PLAIN
         self._switch(b, best, measuring=False)
+        if best is Mode.SPECULATE and measured_plain:
+            b.resuming, b.held_at_switch = True, self._held
+
+    def _resume(self, b: _Bucket, committed_tokens: int, step_ns: int, *, settled: bool) -> None:
+        """A step of speculation run again after a window of K=0: while the draft catches
+        up on what K=0 held (up to ``max_unsettled_steps``), its steps are kept; at the first
+        settled one, what they lost against speculation's window is added to the debt (the
+        next re-check of K=0 pays for the catch-up it causes too: through the services at
+        bs 32 two catch-up steps of 20 and 11 ms of draft time, against a window that lost a
+        few ms), and what they lost against K=0's window per token held prices the catch-up
+        of a re-check of speculation (``catch_up_ns_per_token``)."""
+        if not settled and b.unsettled < self.config.max_unsettled_steps:
+            b.unsettled += 1
+            b.catch_up = (b.catch_up[0] + committed_tokens, b.catch_up[1] + step_ns)
+            return
+        rates = b.rates
+        b.debt_ns += _loss_ns(*b.catch_up, rates[Mode.SPECULATE])
+        if b.held_at_switch >= 64 and b.catch_up[1]:
+            loss = _loss_ns(*b.catch_up, rates[Mode.PLAIN])
+            self.catch_up_ns_per_token = loss / b.held_at_switch
+        b.resuming, b.unsettled, b.catch_up = False, 0, (0, 0)
 
     def _better(self, rates: dict[Mode, float]) -> Mode:
         """Speculation when it beats plain decoding by the margin."""
@@ -313,7 +342,7 @@ class SpecPolicy:
             b.held_at_switch = self._held
         if mode is not b.mode:
             self.switches += 1
-        b.mode, b.measuring = mode, measuring
+        b.mode, b.measuring, b.resuming = mode, measuring, False
         b.steps = b.tokens = b.ns = b.unsettled = 0
         b.catch_up = (0, 0)
         b.step_rates = []

@@ -149,3 +149,47 @@ def test_a_recheck_after_k0_owes_the_catch_up_on_what_k0_holds() -> None:
     budget = waited * 6e6 * 0.03
     assert budget >= debt + per_token * held > budget - 6e6 * 0.03
     assert budget > debt + 1e6
+
+
+def test_a_recheck_of_k0_owes_the_catch_up_it_causes() -> None:
+    """Through the services at bs 32 speculation leads K=0 (96 tokens in 8 ms against 32 in
+    5 ms), so a window of K=0 loses little itself; but speculation then resumes with the
+    draft catching up on what the window held: two steps of 30 ms that commit a token a
+    request. Each re-check of K=0 waits on the window's loss and that catch-up's, so the two
+    together take about the explore budget's share of the time."""
+    config = PolicyConfig(
+        window_steps=4, settle_steps=0, first_explore_steps=8, explore_steps=100_000
+    )
+    policy = SpecPolicy(config)
+    spec, plain, catch_up = (96, 8_000_000), (32, 5_000_000), (32, 30_000_000)
+    spec_rate = rate(spec)
+    modes: list[bool] = []
+    behind = 0  # catch-up steps left after K=0
+    total_ns = lost_ns = 0.0
+    for _ in range(4000):
+        on = policy.speculate(32)
+        if on and modes and not modes[-1]:
+            behind = 2
+        modes.append(on)
+        if on and behind:
+            behind -= 1
+            policy.record(32, *catch_up, settled=False)
+            cost = catch_up
+        else:
+            cost = spec if on else plain
+            policy.record(32, *cost)
+        total_ns += cost[1]
+        lost_ns += loss_ns(*cost, spec_rate)
+    lost = window_loss(config, plain, spec)
+    resume = loss_ns(2 * catch_up[0], 2 * catch_up[1], spec_rate)
+    assert resume > 5 * lost  # the catch-up, not the window, is what a re-check of K=0 costs
+    # Speculation, then K=0 measured; then speculation (its catch-up first) until 3% of the
+    # time since covers the window's loss and the catch-up's.
+    assert runs(modes)[:2] == [(True, window(config)), (False, window(config))]
+    ran = [steps for on, steps in runs(modes)[2:-1] if on]
+    paid = 2
+    while (2 * catch_up[1] + (paid - 2) * spec[1]) * config.explore_budget < lost + resume:
+        paid += 1
+    assert len(ran) >= 3 and ran[0] == paid > recheck_after(config, lost, spec[1], 1)
+    # Re-checks paced by the window's loss alone would lose about 15% of the time.
+    assert lost_ns / total_ns < 1.2 * config.explore_budget
