@@ -128,7 +128,7 @@ class _Session:
                 f"{len(msg.prompt_token_ids)} tokens fill the {self.info.max_model_len}-token "
                 "context",
             )
-        admit = self._convert_admit(msg, None, step_spec, path)
+        admit = self._convert_admit(msg, step_spec, path)
         spec, limit = admit.spec, self.max_spec
         if spec.num_steps > limit.num_steps or spec.topk > limit.topk:
             raise InvalidRequest(f"{path}.speculation", f"S, K above this draft's {limit}")
@@ -160,7 +160,13 @@ class _Session:
                 raise InvalidRequest(f"{path}.frames", "frames after the last chunk")
             tensor = p.assembler.add(frame)
             if tensor is not None:  # checks its shape [len(prompt_token_ids), F]
-                p.admit = self._convert_admit(p.msg, tensor, p.admit.spec, path)
+                p.admit = wire.admit_with_features(
+                    p.admit,
+                    tensor,
+                    num_prompt_tokens=len(p.msg.prompt_token_ids),
+                    field=f"prompt_frames[{p.msg.request_id}]",
+                    feature_size=self.info.feature_size,
+                )
                 p.complete = True
 
     def _outcome(self, msg: draft_pb2.VerifyOutcome, work: _Work, path: str) -> None:
@@ -217,13 +223,13 @@ class _Session:
     def _convert_admit(
         self,
         msg: draft_pb2.DraftAdmit,
-        features: torch.Tensor | None,
         step_spec: SpecConfig | None,
         path: str,
     ) -> DraftAdmit:
+        """The admit without its prompt's features (``_frames`` adds them)."""
         return wire.admit_from_proto(
             msg,
-            features,
+            None,
             default_spec=step_spec,
             path=path,
             features_field=f"prompt_frames[{msg.request_id}]",

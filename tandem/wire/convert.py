@@ -8,6 +8,7 @@ a receiver never needs the sender's defaults. Floats travel as float32.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 
@@ -251,6 +252,21 @@ def admit_from_proto(
     )
 
 
+def admit_with_features(
+    admit: DraftAdmit,
+    features: torch.Tensor,
+    *,
+    num_prompt_tokens: int,
+    field: str = "prompt_frames",
+    feature_size: int | None = None,
+) -> DraftAdmit:
+    """``admit`` (from ``admit_from_proto``, validated) with its prompt's features, once they
+    have arrived: checked as ``admit_from_proto`` checks them ([num_prompt_tokens, F] floats),
+    the rest not converted again."""
+    _check_features(features, num_prompt_tokens, feature_size, field)
+    return dataclasses.replace(admit, features=features)
+
+
 def outcome_to_proto(
     outcome: VerifyOutcome,
     committed_len: int,
@@ -370,7 +386,7 @@ def _require_id(request_id: str, path: str) -> None:
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int | None, field: str) -> None:
-    if vocab_size is not None and any(t >= vocab_size for t in ids):
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
         raise InvalidRequest(field, f"token ids must be in [0, {vocab_size})")
 
 
