@@ -20,7 +20,7 @@ from draft_service.config import DraftServiceConfig
 from draft_service.engine import DraftEngine, DraftInfo
 from draft_service.observe import DraftMetrics
 from tandem import wire
-from tandem.link.local import SHARING
+from tandem.link.local import sharing_transport
 from tandem.serving import step_log
 from tandem.serving.step_log import StepLog
 from tandem.spec.types import SpecConfig
@@ -68,8 +68,8 @@ class StreamContext:
             instance_id=self.instance_id,
         )
 
-    def sharing(self, offered: Sequence[int]) -> int:
+    def sharing(self, offered: Sequence[int], target_device: str = "") -> int:
         """The transport a local stream shares this draft's device by (0: none): the one its
-        device type has, when the target offered it."""
-        wanted = SHARING.get(self.device.type, 0)
-        return wanted if wanted in offered else 0
+        device type has, when the target offered it; for CUDA only when the target names this
+        draft's GPU (``target_device``, its UUID: CUDA IPC maps one GPU's memory)."""
+        return sharing_transport(self.device, offered, target_device)

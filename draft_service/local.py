@@ -31,7 +31,7 @@ from draft_service.prompts import PromptBuffer
 from draft_service.session import StreamSteps
 from draft_service.worker import Worker
 from tandem.errors import InvalidRequest
-from tandem.link.local import FrameBuffer, check_path, encode
+from tandem.link.local import FrameBuffer, check_path, device_uuid, encode
 from tandem.v1 import draft_pb2
 
 logger = logging.getLogger(__name__)
@@ -142,19 +142,23 @@ class _Connection:
         result = context.engine.step_here(stream, work.admits, work.outcomes, work.released)
         response = self.steps.finish(request, work, result)
         if response.HasField("hello"):  # the stream's first answer: does it share the device?
-            self._share(context, response.hello, list(request.hello.tensor_transports))
+            self._share(context, response.hello, request.hello)
         self.sock.sendall(encode(response))
 
     def _share(
-        self, context: StreamContext, hello: draft_pb2.SpeculateHello, offered: list[int]
+        self,
+        context: StreamContext,
+        hello: draft_pb2.SpeculateHello,
+        theirs: draft_pb2.SpeculateHello,
     ) -> None:
-        """A target that offered a transport this draft's device has gets its prompt buffer
-        and device-chain runs; the hello names both."""
-        transport = context.sharing(offered)
+        """A target that offered a transport this draft's device has (on this GPU, for CUDA)
+        gets its prompt buffer and device-chain runs; the hello names both, and the GPU."""
+        transport = context.sharing(list(theirs.tensor_transports), theirs.device_uuid)
         if not transport:
             return
         assert self.steps is not None
         hello.tensor_transports.append(transport)  # type: ignore[arg-type]
+        hello.device_uuid = device_uuid(context.device)
         self.chain = ChainPeer(context, self.steps, transport)
         stream = self.steps.stream_id
         prompts = PromptBuffer.allocate(context.prompt_buffer_bytes, context.device, stream)

@@ -35,7 +35,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from tandem import wire
 from tandem.link.grpc_transport import GrpcTransport, describe
 from tandem.link.liveness import IdleProbe
-from tandem.link.local import SHARING, LocalLink
+from tandem.link.local import SHARING, LocalLink, device_uuid
 from tandem.link.local_transport import LocalTransport
 from tandem.link.messages import Outgoing, StreamState
 from tandem.link.transport import Events, Offline, Transport
@@ -263,10 +263,12 @@ class DraftConnection:
         hello = self._hello()
         # On this link only, with the target's device known: the transport that shares it
         # (device-chain runs, the prompt buffer); the draft takes it if its device is the same
-        # type.
+        # (for CUDA: the same GPU, by UUID).
         sharing = None if self.device is None else SHARING.get(self.device.type)
         if sharing is not None:
+            assert self.device is not None
             hello.tensor_transports.append(sharing)
+            hello.device_uuid = device_uuid(self.device)
         connect = functools.partial(
             LocalLink.connect,
             path,

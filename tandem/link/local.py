@@ -50,6 +50,28 @@ HEADER = struct.Struct("<Q")
 # How a local stream shares memory of each device type (both services on it): chosen in the
 # hellos, for device-chain runs (tandem/link/chain_remote.py) and shared prompt buffers.
 SHARING = {"cuda": draft_pb2.TENSOR_TRANSPORT_CUDA_IPC, "cpu": draft_pb2.TENSOR_TRANSPORT_SHM}
+
+
+def device_uuid(device: torch.device) -> str:
+    """A CUDA device's UUID (the same GPU in every process, whatever its index there); ''
+    for other devices. The hellos compare it before they choose CUDA IPC."""
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def sharing_transport(device: torch.device, offered: Sequence[int], target_device: str) -> int:
+    """The transport a draft on ``device`` shares it by with a target that ``offered`` these
+    and named its GPU ``target_device`` (0: none, tensors go inline): its device type's, for
+    CUDA only when the target is on this very GPU (CUDA IPC maps one GPU's memory)."""
+    wanted = SHARING.get(device.type, 0)
+    if wanted not in offered:
+        return 0
+    if device.type == "cuda" and target_device != device_uuid(device):
+        return 0
+    return wanted
+
+
 MAX_PATH_BYTES = 107  # sun_path holds 108 bytes with the terminating NUL
 _RECV_BYTES = 1 << 20
 _SOCKET_BUFFER_BYTES = 4 << 20  # asked for; the kernel may cap it (net.core.wmem_max)
@@ -297,8 +319,11 @@ class LocalLink:
         return chosen.pop() if len(chosen) == 1 else 0
 
     def shares(self, device: torch.device) -> bool:
-        """Whether the transport the hellos chose shares ``device`` with the draft."""
-        return self.chain_transport == SHARING.get(device.type)
+        """Whether the transport the hellos chose shares ``device`` with the draft (for CUDA:
+        the draft's hello names this GPU)."""
+        if self.chain_transport != SHARING.get(device.type):
+            return False
+        return device.type != "cuda" or self.hello.device_uuid == device_uuid(device)
 
     @property
     def backlogged(self) -> bool:

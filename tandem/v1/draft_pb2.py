@@ -25,45 +25,45 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xd7\x01\n\x0eSpeculateHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x35\n\x11tensor_transports\x18\x02 \x03(\x0e\x32\x1a.tandem.v1.TensorTransport\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\x12\x15\n\rprompt_buffer\x18\x06 \x01(\x0c\x12\x1b\n\x13prompt_buffer_bytes\x18\x07 \x01(\x04\"\xcb\x03\n\x10SpeculateRequest\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x19.tandem.v1.SpeculateHello\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0f\n\x07lane_id\x18\x03 \x01(\r\x12\x31\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\x13\n\x0b\x64\x65\x61\x64line_ns\x18\x05 \x01(\x04\x12*\n\x08outcomes\x18\x06 \x03(\x0b\x32\x18.tandem.v1.VerifyOutcome\x12+\n\x0cnew_requests\x18\x07 \x03(\x0b\x32\x15.tandem.v1.DraftAdmit\x12.\n\rprompt_frames\x18\x08 \x03(\x0b\x32\x17.tandem.v1.PromptFrames\x12\x1c\n\x14released_request_ids\x18\t \x03(\t\x12*\n\x0b\x63hain_begin\x18\n \x01(\x0b\x32\x15.tandem.v1.ChainBegin\x12(\n\nchain_step\x18\x0b \x01(\x0b\x32\x14.tandem.v1.ChainStep\x12&\n\tchain_end\x18\x0c \x01(\x0b\x32\x13.tandem.v1.ChainEnd\"\x8f\x01\n\nChainBegin\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x12\n\nbatch_size\x18\x02 \x01(\r\x12\x11\n\tnum_steps\x18\x03 \x01(\r\x12\x13\n\x0brequest_ids\x18\x04 \x03(\t\x12\x16\n\x0e\x63ommitted_lens\x18\x05 \x03(\r\x12\x0e\n\x06\x63hains\x18\x06 \x03(\x0c\x12\r\n\x05\x65vent\x18\x07 \x01(\x0c\"Q\n\tChainStep\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0e\x63ommitted_lens\x18\x03 \x03(\r\x12\x0e\n\x06unread\x18\x04 \x01(\r\"P\n\x08\x43hainEnd\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12!\n\x04rows\x18\x02 \x03(\x0b\x32\x13.tandem.v1.ChainRow\x12\x11\n\tabandoned\x18\x03 \x01(\x08\"/\n\x08\x43hainRow\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\"\xbc\x01\n\rVerifyOutcome\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x62onus_token_id\x18\x03 \x01(\r\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_node_indices\x18\x05 \x03(\r\x12-\n\rhidden_states\x18\x06 \x03(\x0b\x32\x16.tandem.v1.TensorFrame\"\xf9\x01\n\nDraftAdmit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x19\n\x11verified_token_id\x18\x03 \x01(\r\x12\x12\n\ndraft_seed\x18\x04 \x01(\x04\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x31\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12.\n\rtrace_context\x18\x07 \x01(\x0b\x32\x17.tandem.v1.TraceContext\"J\n\x0cPromptFrames\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06\x66rames\x18\x02 \x03(\x0b\x32\x16.tandem.v1.TensorFrame\"\xea\x02\n\x11SpeculateResponse\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x19.tandem.v1.SpeculateHello\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0f\n\x07lane_id\x18\x03 \x01(\r\x12\x1e\n\x05trees\x18\x04 \x03(\x0b\x32\x0f.tandem.v1.Tree\x12\x1b\n\x13\x64ropped_request_ids\x18\x05 \x03(\t\x12$\n\x08kv_usage\x18\x06 \x01(\x0b\x32\x12.tandem.v1.KvUsage\x12\x11\n\textend_ns\x18\x07 \x01(\x04\x12\x10\n\x08\x64raft_ns\x18\x08 \x01(\x04\x12\x10\n\x08total_ns\x18\t \x01(\x04\x12\x10\n\x08model_ns\x18\n \x01(\x04\x12*\n\x0b\x63hain_ready\x18\x0b \x01(\x0b\x32\x15.tandem.v1.ChainReady\x12\x31\n\x0f\x63hain_step_done\x18\x0c \x01(\x0b\x32\x18.tandem.v1.ChainStepDone\"M\n\nChainReady\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x0f\n\x07refused\x18\x02 \x01(\t\x12\x0f\n\x07outcome\x18\x03 \x03(\x0c\x12\r\n\x05\x65vent\x18\x04 \x01(\x0c\"=\n\rChainStepDone\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\t\"]\n\x04Tree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0eparent_indices\x18\x03 \x03(\x05\x12\x16\n\x0e\x64raft_logprobs\x18\x04 \x03(\x02\"\x1c\n\x1a\x44raftServiceGetInfoRequest\"\xc4\x03\n\x1b\x44raftServiceGetInfoResponse\x12(\n\ndraft_kind\x18\x01 \x01(\x0e\x32\x14.tandem.v1.DraftKind\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x17\n\x0ftarget_model_id\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x19\n\x11target_vocab_size\x18\x05 \x01(\r\x12\x18\n\x10target_layer_ids\x18\x06 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12&\n\x0chidden_dtype\x18\x08 \x01(\x0e\x32\x10.tandem.v1.Dtype\x12\x31\n\x0bspeculation\x18\t \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\x35\n\x11tensor_transports\x18\n \x03(\x0e\x32\x1a.tandem.v1.TensorTransport\x12$\n\x08kv_usage\x18\x0b \x01(\x0b\x32\x12.tandem.v1.KvUsage\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x14\n\x0clocal_socket\x18\r \x01(\t\x12\x13\n\x0binstance_id\x18\x0e \x01(\t*\x89\x01\n\x0fTensorTransport\x12 \n\x1cTENSOR_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1b\n\x17TENSOR_TRANSPORT_INLINE\x10\x01\x12\x18\n\x14TENSOR_TRANSPORT_SHM\x10\x02\x12\x1d\n\x19TENSOR_TRANSPORT_CUDA_IPC\x10\x03\x32\xb4\x01\n\x0c\x44raftService\x12J\n\tSpeculate\x12\x1b.tandem.v1.SpeculateRequest\x1a\x1c.tandem.v1.SpeculateResponse(\x01\x30\x01\x12X\n\x07GetInfo\x12%.tandem.v1.DraftServiceGetInfoRequest\x1a&.tandem.v1.DraftServiceGetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xec\x01\n\x0eSpeculateHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x35\n\x11tensor_transports\x18\x02 \x03(\x0e\x32\x1a.tandem.v1.TensorTransport\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\x12\x15\n\rprompt_buffer\x18\x06 \x01(\x0c\x12\x1b\n\x13prompt_buffer_bytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x08 \x01(\t\"\xcb\x03\n\x10SpeculateRequest\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x19.tandem.v1.SpeculateHello\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0f\n\x07lane_id\x18\x03 \x01(\r\x12\x31\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\x13\n\x0b\x64\x65\x61\x64line_ns\x18\x05 \x01(\x04\x12*\n\x08outcomes\x18\x06 \x03(\x0b\x32\x18.tandem.v1.VerifyOutcome\x12+\n\x0cnew_requests\x18\x07 \x03(\x0b\x32\x15.tandem.v1.DraftAdmit\x12.\n\rprompt_frames\x18\x08 \x03(\x0b\x32\x17.tandem.v1.PromptFrames\x12\x1c\n\x14released_request_ids\x18\t \x03(\t\x12*\n\x0b\x63hain_begin\x18\n \x01(\x0b\x32\x15.tandem.v1.ChainBegin\x12(\n\nchain_step\x18\x0b \x01(\x0b\x32\x14.tandem.v1.ChainStep\x12&\n\tchain_end\x18\x0c \x01(\x0b\x32\x13.tandem.v1.ChainEnd\"\x8f\x01\n\nChainBegin\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x12\n\nbatch_size\x18\x02 \x01(\r\x12\x11\n\tnum_steps\x18\x03 \x01(\r\x12\x13\n\x0brequest_ids\x18\x04 \x03(\t\x12\x16\n\x0e\x63ommitted_lens\x18\x05 \x03(\r\x12\x0e\n\x06\x63hains\x18\x06 \x03(\x0c\x12\r\n\x05\x65vent\x18\x07 \x01(\x0c\"Q\n\tChainStep\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0e\x63ommitted_lens\x18\x03 \x03(\r\x12\x0e\n\x06unread\x18\x04 \x01(\r\"P\n\x08\x43hainEnd\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12!\n\x04rows\x18\x02 \x03(\x0b\x32\x13.tandem.v1.ChainRow\x12\x11\n\tabandoned\x18\x03 \x01(\x08\"/\n\x08\x43hainRow\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\"\xbc\x01\n\rVerifyOutcome\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x62onus_token_id\x18\x03 \x01(\r\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_node_indices\x18\x05 \x03(\r\x12-\n\rhidden_states\x18\x06 \x03(\x0b\x32\x16.tandem.v1.TensorFrame\"\xf9\x01\n\nDraftAdmit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x19\n\x11verified_token_id\x18\x03 \x01(\r\x12\x12\n\ndraft_seed\x18\x04 \x01(\x04\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x31\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12.\n\rtrace_context\x18\x07 \x01(\x0b\x32\x17.tandem.v1.TraceContext\"J\n\x0cPromptFrames\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06\x66rames\x18\x02 \x03(\x0b\x32\x16.tandem.v1.TensorFrame\"\xea\x02\n\x11SpeculateResponse\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x19.tandem.v1.SpeculateHello\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0f\n\x07lane_id\x18\x03 \x01(\r\x12\x1e\n\x05trees\x18\x04 \x03(\x0b\x32\x0f.tandem.v1.Tree\x12\x1b\n\x13\x64ropped_request_ids\x18\x05 \x03(\t\x12$\n\x08kv_usage\x18\x06 \x01(\x0b\x32\x12.tandem.v1.KvUsage\x12\x11\n\textend_ns\x18\x07 \x01(\x04\x12\x10\n\x08\x64raft_ns\x18\x08 \x01(\x04\x12\x10\n\x08total_ns\x18\t \x01(\x04\x12\x10\n\x08model_ns\x18\n \x01(\x04\x12*\n\x0b\x63hain_ready\x18\x0b \x01(\x0b\x32\x15.tandem.v1.ChainReady\x12\x31\n\x0f\x63hain_step_done\x18\x0c \x01(\x0b\x32\x18.tandem.v1.ChainStepDone\"M\n\nChainReady\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x0f\n\x07refused\x18\x02 \x01(\t\x12\x0f\n\x07outcome\x18\x03 \x03(\x0c\x12\r\n\x05\x65vent\x18\x04 \x01(\x0c\"=\n\rChainStepDone\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\t\"]\n\x04Tree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0eparent_indices\x18\x03 \x03(\x05\x12\x16\n\x0e\x64raft_logprobs\x18\x04 \x03(\x02\"\x1c\n\x1a\x44raftServiceGetInfoRequest\"\xc4\x03\n\x1b\x44raftServiceGetInfoResponse\x12(\n\ndraft_kind\x18\x01 \x01(\x0e\x32\x14.tandem.v1.DraftKind\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x17\n\x0ftarget_model_id\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x19\n\x11target_vocab_size\x18\x05 \x01(\r\x12\x18\n\x10target_layer_ids\x18\x06 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12&\n\x0chidden_dtype\x18\x08 \x01(\x0e\x32\x10.tandem.v1.Dtype\x12\x31\n\x0bspeculation\x18\t \x01(\x0b\x32\x1c.tandem.v1.SpeculationParams\x12\x35\n\x11tensor_transports\x18\n \x03(\x0e\x32\x1a.tandem.v1.TensorTransport\x12$\n\x08kv_usage\x18\x0b \x01(\x0b\x32\x12.tandem.v1.KvUsage\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x14\n\x0clocal_socket\x18\r \x01(\t\x12\x13\n\x0binstance_id\x18\x0e \x01(\t*\x89\x01\n\x0fTensorTransport\x12 \n\x1cTENSOR_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1b\n\x17TENSOR_TRANSPORT_INLINE\x10\x01\x12\x18\n\x14TENSOR_TRANSPORT_SHM\x10\x02\x12\x1d\n\x19TENSOR_TRANSPORT_CUDA_IPC\x10\x03\x32\xb4\x01\n\x0c\x44raftService\x12J\n\tSpeculate\x12\x1b.tandem.v1.SpeculateRequest\x1a\x1c.tandem.v1.SpeculateResponse(\x01\x30\x01\x12X\n\x07GetInfo\x12%.tandem.v1.DraftServiceGetInfoRequest\x1a&.tandem.v1.DraftServiceGetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.draft_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TENSORTRANSPORT']._serialized_start=2707
-  _globals['_TENSORTRANSPORT']._serialized_end=2844
+  _globals['_TENSORTRANSPORT']._serialized_start=2728
+  _globals['_TENSORTRANSPORT']._serialized_end=2865
   _globals['_SPECULATEHELLO']._serialized_start=61
-  _globals['_SPECULATEHELLO']._serialized_end=276
-  _globals['_SPECULATEREQUEST']._serialized_start=279
-  _globals['_SPECULATEREQUEST']._serialized_end=738
-  _globals['_CHAINBEGIN']._serialized_start=741
-  _globals['_CHAINBEGIN']._serialized_end=884
-  _globals['_CHAINSTEP']._serialized_start=886
-  _globals['_CHAINSTEP']._serialized_end=967
-  _globals['_CHAINEND']._serialized_start=969
-  _globals['_CHAINEND']._serialized_end=1049
-  _globals['_CHAINROW']._serialized_start=1051
-  _globals['_CHAINROW']._serialized_end=1098
-  _globals['_VERIFYOUTCOME']._serialized_start=1101
-  _globals['_VERIFYOUTCOME']._serialized_end=1289
-  _globals['_DRAFTADMIT']._serialized_start=1292
-  _globals['_DRAFTADMIT']._serialized_end=1541
-  _globals['_PROMPTFRAMES']._serialized_start=1543
-  _globals['_PROMPTFRAMES']._serialized_end=1617
-  _globals['_SPECULATERESPONSE']._serialized_start=1620
-  _globals['_SPECULATERESPONSE']._serialized_end=1982
-  _globals['_CHAINREADY']._serialized_start=1984
-  _globals['_CHAINREADY']._serialized_end=2061
-  _globals['_CHAINSTEPDONE']._serialized_start=2063
-  _globals['_CHAINSTEPDONE']._serialized_end=2124
-  _globals['_TREE']._serialized_start=2126
-  _globals['_TREE']._serialized_end=2219
-  _globals['_DRAFTSERVICEGETINFOREQUEST']._serialized_start=2221
-  _globals['_DRAFTSERVICEGETINFOREQUEST']._serialized_end=2249
-  _globals['_DRAFTSERVICEGETINFORESPONSE']._serialized_start=2252
-  _globals['_DRAFTSERVICEGETINFORESPONSE']._serialized_end=2704
-  _globals['_DRAFTSERVICE']._serialized_start=2847
-  _globals['_DRAFTSERVICE']._serialized_end=3027
+  _globals['_SPECULATEHELLO']._serialized_end=297
+  _globals['_SPECULATEREQUEST']._serialized_start=300
+  _globals['_SPECULATEREQUEST']._serialized_end=759
+  _globals['_CHAINBEGIN']._serialized_start=762
+  _globals['_CHAINBEGIN']._serialized_end=905
+  _globals['_CHAINSTEP']._serialized_start=907
+  _globals['_CHAINSTEP']._serialized_end=988
+  _globals['_CHAINEND']._serialized_start=990
+  _globals['_CHAINEND']._serialized_end=1070
+  _globals['_CHAINROW']._serialized_start=1072
+  _globals['_CHAINROW']._serialized_end=1119
+  _globals['_VERIFYOUTCOME']._serialized_start=1122
+  _globals['_VERIFYOUTCOME']._serialized_end=1310
+  _globals['_DRAFTADMIT']._serialized_start=1313
+  _globals['_DRAFTADMIT']._serialized_end=1562
+  _globals['_PROMPTFRAMES']._serialized_start=1564
+  _globals['_PROMPTFRAMES']._serialized_end=1638
+  _globals['_SPECULATERESPONSE']._serialized_start=1641
+  _globals['_SPECULATERESPONSE']._serialized_end=2003
+  _globals['_CHAINREADY']._serialized_start=2005
+  _globals['_CHAINREADY']._serialized_end=2082
+  _globals['_CHAINSTEPDONE']._serialized_start=2084
+  _globals['_CHAINSTEPDONE']._serialized_end=2145
+  _globals['_TREE']._serialized_start=2147
+  _globals['_TREE']._serialized_end=2240
+  _globals['_DRAFTSERVICEGETINFOREQUEST']._serialized_start=2242
+  _globals['_DRAFTSERVICEGETINFOREQUEST']._serialized_end=2270
+  _globals['_DRAFTSERVICEGETINFORESPONSE']._serialized_start=2273
+  _globals['_DRAFTSERVICEGETINFORESPONSE']._serialized_end=2725
+  _globals['_DRAFTSERVICE']._serialized_start=2868
+  _globals['_DRAFTSERVICE']._serialized_end=3048
 # @@protoc_insertion_point(module_scope)

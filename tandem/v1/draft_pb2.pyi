@@ -20,7 +20,7 @@ TENSOR_TRANSPORT_SHM: TensorTransport
 TENSOR_TRANSPORT_CUDA_IPC: TensorTransport
 
 class SpeculateHello(_message.Message):
-    __slots__ = ("protocol_version", "tensor_transports", "max_message_bytes", "model_id", "instance_id", "prompt_buffer", "prompt_buffer_bytes")
+    __slots__ = ("protocol_version", "tensor_transports", "max_message_bytes", "model_id", "instance_id", "prompt_buffer", "prompt_buffer_bytes", "device_uuid")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class SpeculateHello(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BUFFER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     tensor_transports: _containers.RepeatedScalarFieldContainer[TensorTransport]
     max_message_bytes: int
@@ -35,7 +36,8 @@ class SpeculateHello(_message.Message):
     instance_id: str
     prompt_buffer: bytes
     prompt_buffer_bytes: int
-    def __init__(self, protocol_version: _Optional[int] = ..., tensor_transports: _Optional[_Iterable[_Union[TensorTransport, str]]] = ..., max_message_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., prompt_buffer: _Optional[bytes] = ..., prompt_buffer_bytes: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, protocol_version: _Optional[int] = ..., tensor_transports: _Optional[_Iterable[_Union[TensorTransport, str]]] = ..., max_message_bytes: _Optional[int] = ..., model_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., prompt_buffer: _Optional[bytes] = ..., prompt_buffer_bytes: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("hello", "step_id", "lane_id", "speculation", "deadline_ns", "outcomes", "new_requests", "prompt_frames", "released_request_ids", "chain_begin", "chain_step", "chain_end")

@@ -20,7 +20,15 @@ from draft_service.config import DraftServiceConfig
 from tandem import wire
 from tandem.errors import InvalidRequest
 from tandem.link import messages
-from tandem.link.local import HEADER, FrameBuffer, LocalLink, check_path, encode
+from tandem.link.local import (
+    HEADER,
+    FrameBuffer,
+    LocalLink,
+    check_path,
+    device_uuid,
+    encode,
+    sharing_transport,
+)
 from tandem.link.messages import StreamState
 from tandem.link.prompt_ring import PromptRing
 from tandem.link.remote import RemoteDrafter
@@ -302,3 +310,27 @@ def test_outcomes_through_the_drafts_buffer_give_the_same_trees(
     finally:
         remote.close()
         served.stop()
+
+
+def test_shared_memory_is_chosen_when_offered_on_cpu() -> None:
+    """On CPU the draft and target share memory by /dev/shm whatever GPU names say."""
+    cpu = torch.device("cpu")
+    offered = [draft_pb2.TENSOR_TRANSPORT_INLINE, draft_pb2.TENSOR_TRANSPORT_SHM]
+    assert sharing_transport(cpu, offered, "") == draft_pb2.TENSOR_TRANSPORT_SHM
+    assert sharing_transport(cpu, [draft_pb2.TENSOR_TRANSPORT_INLINE], "") == 0
+    assert sharing_transport(cpu, [draft_pb2.TENSOR_TRANSPORT_CUDA_IPC], "") == 0
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_is_chosen_for_the_drafts_own_gpu_only() -> None:
+    """CUDA IPC maps one GPU's memory: a target on another GPU (another UUID) gets tensors
+    inline and no device-chain runs, a target on this GPU gets CUDA IPC."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    offered = [draft_pb2.TENSOR_TRANSPORT_INLINE, draft_pb2.TENSOR_TRANSPORT_CUDA_IPC]
+    mine = device_uuid(device)
+    assert mine and sharing_transport(device, offered, mine) == draft_pb2.TENSOR_TRANSPORT_CUDA_IPC
+    assert sharing_transport(device, offered, "") == 0
+    assert sharing_transport(device, offered, "GPU-00000000-0000-0000-0000-000000000000") == 0
+    if torch.cuda.device_count() > 1:
+        other = device_uuid(torch.device("cuda", (device.index + 1) % torch.cuda.device_count()))
+        assert other != mine and sharing_transport(device, offered, other) == 0
