@@ -16,6 +16,7 @@ launched and ends; the ordinary step runs at the next call.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from tandem.clock import StepTiming
@@ -25,6 +26,8 @@ from tandem.target.device_chain import ChainRead, DeviceChain
 from tandem.target.exchange import DraftExchange
 from tandem.target.scheduler import ScheduledBatch, Scheduler
 from tandem.target.step import StepMode, StepPlan, StepResult, merge_outputs
+
+logger = logging.getLogger(__name__)
 
 
 class ChainMode(StepMode):
@@ -52,10 +55,15 @@ class ChainMode(StepMode):
         exchange, chain = self.exchange, self.chain
         if plan.lanes != {plan.lane} and not self._merge(plan):
             return None
-        ready = (
-            not exchange.awaiting and not exchange.catching_up and chain.can_start(self.scheduler)
+        problem = (
+            "the draft owes an answer"
+            if exchange.awaiting
+            else "the draft catches up"
+            if exchange.catching_up
+            else chain.start_problem(self.scheduler)
         )
-        if not ready:
+        if problem:
+            logger.debug("device chain: no run yet (%s)", problem)
             return None
         if chain.needs_warming():  # not warmed while idle (in process: the first run)
             chain.warm()

@@ -176,15 +176,35 @@ class DeviceChain:
         """Whether the running requests are in the steady state a run needs (module
         docstring); the caller checks lanes and the exchange. ``pending``: as ``_eligible``
         (the caller collects those trees before the run starts)."""
+        return not self.start_problem(scheduler, pending)
+
+    def start_problem(self, scheduler: Scheduler, pending: frozenset[str] = frozenset()) -> str:
+        """Why a run may not start now ('' when it may): ``can_start``, in words."""
         running = scheduler.running
-        if self.active or scheduler.can_take_waiting() or not running:
-            return False
+        if self.active:
+            return "a run is active"
+        if scheduler.can_take_waiting():
+            return "a prompt is waiting"
+        if not running:
+            return "no request running"
         if not self.draft.ready():
-            return False
+            return "the draft's half is not ready"
         if self.target_graphs.bucket_for(len(running), self.width) is None:
-            return False
-        speculating = any(req.speculate for req in running)
-        return speculating and all(self._eligible(req, pending) for req in running)
+            return f"no graph bucket for {len(running)} requests"
+        if not any(req.speculate for req in running):
+            return "no request speculates"
+        late: dict[str, list[str]] = {}  # why -> requests
+        for req in running:
+            if not self._eligible(req, pending):
+                why = (
+                    "prefilling"
+                    if not req.decoding
+                    else "no chain"
+                    if req.tree is None
+                    else "other"
+                )
+                late.setdefault(why, []).append(req.request_id)
+        return "; ".join(f"{why}: {len(ids)} ({ids[0]}, ...)" for why, ids in late.items())
 
     def may_all_finish(self) -> bool:
         """Whether the unread steps may bring every request of the run to its length limit

@@ -254,6 +254,29 @@ def test_a_prompt_that_cannot_start_yet_leaves_the_run_going(ckpts: Checkpoints)
     check_pools_empty(engine)
 
 
+def test_a_run_that_cannot_start_says_why(ckpts: Checkpoints) -> None:
+    """The reasons the engine logs while no run starts: a prompt waiting, then a prompt cut
+    into chunks by the step's token budget still prefilling; then the run starts."""
+    engine = chain_engine(ckpts, "eagle3", 3)
+    chain = engine.chain
+    assert chain is not None
+    engine.scheduler.max_num_batched_tokens = 8  # a 6-token prompt beside a 4-token chain
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    engine.add_request([5, 9, 17, 4, 250, 31], params)
+    assert chain.start_problem(engine.scheduler) == "a prompt is waiting"
+    while not chain.active:
+        engine.step()
+    rid = engine.add_request([8, 8, 40, 3, 77, 12], params)
+    problems = []
+    while chain.active or not problems or problems[-1]:
+        engine.step()
+        if not chain.active:
+            problems.append(chain.start_problem(engine.scheduler))
+    assert problems[0] == "a prompt is waiting"
+    assert any(f"prefilling: 1 ({rid}, ...)" in problem for problem in problems)
+    assert problems[-1] == ""
+
+
 def test_simulated_acceptance_runs_on_the_device(ckpts: Checkpoints) -> None:
     """Perf only: the accept length is drawn on the device; requests still finish at their
     lengths and nothing leaks."""
