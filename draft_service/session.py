@@ -232,9 +232,7 @@ class _Session:
             None,
             default_spec=step_spec,
             path=path,
-            features_field=f"prompt_frames[{msg.request_id}]",
             vocab_size=self.info.target_vocab_size,
-            feature_size=self.info.feature_size if self.info.target_layer_ids else None,
         )
 
 

@@ -27,6 +27,7 @@ its reads come from the engine thread only. The socket is private to the draft's
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import select
 import socket
@@ -57,7 +58,14 @@ def device_uuid(device: torch.device) -> str:
     for other devices. The hellos compare it before they choose CUDA IPC."""
     if device.type != "cuda":
         return ""
-    return str(torch.cuda.get_device_properties(device).uuid)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _cuda_uuid(index)
+
+
+@functools.cache
+def _cuda_uuid(index: int) -> str:
+    """Read once per device: ``LocalLink.shares`` asks at every device-chain check."""
+    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def sharing_transport(device: torch.device, offered: Sequence[int], target_device: str) -> int:

@@ -55,15 +55,12 @@ class ChainMode(StepMode):
         exchange, chain = self.exchange, self.chain
         if plan.lanes != {plan.lane} and not self._merge(plan):
             return None
-        problem = (
-            "the draft owes an answer"
-            if exchange.awaiting
-            else "the draft catches up"
-            if exchange.catching_up
-            else chain.start_problem(self.scheduler)
+        ready = (
+            not exchange.awaiting and not exchange.catching_up and chain.can_start(self.scheduler)
         )
-        if problem:
-            logger.debug("device chain: no run yet (%s)", problem)
+        if not ready:
+            if logger.isEnabledFor(logging.DEBUG):  # the reasons cost a pass over the batch
+                logger.debug("device chain: no run yet (%s)", self._why_not())
             return None
         if chain.needs_warming():  # not warmed while idle (in process: the first run)
             chain.warm()
@@ -76,6 +73,14 @@ class ChainMode(StepMode):
             return None
         self.lane = plan.lane
         return self._step()
+
+    def _why_not(self) -> str:
+        """Why ``start`` starts no run now, in words (the debug log)."""
+        if self.exchange.awaiting:
+            return "the draft owes an answer"
+        if self.exchange.catching_up:
+            return "the draft catches up"
+        return self.chain.start_problem(self.scheduler)
 
     def _merge(self, plan: StepPlan) -> bool:
         """With two lanes: whether every lane's requests may run as one run once the other

@@ -176,10 +176,26 @@ class DeviceChain:
         """Whether the running requests are in the steady state a run needs (module
         docstring); the caller checks lanes and the exchange. ``pending``: as ``_eligible``
         (the caller collects those trees before the run starts)."""
-        return not self.start_problem(scheduler, pending)
+        if self._blocked(scheduler):
+            return False
+        return all(self._eligible(req, pending) for req in scheduler.running)
 
     def start_problem(self, scheduler: Scheduler, pending: frozenset[str] = frozenset()) -> str:
-        """Why a run may not start now ('' when it may): ``can_start``, in words."""
+        """Why a run may not start now ('' when it may): ``can_start``, in words (every
+        request that is not in the steady state counted, by why)."""
+        problem = self._blocked(scheduler)
+        if problem:
+            return problem
+        late: dict[str, list[str]] = {}  # why -> requests
+        for req in scheduler.running:
+            if not self._eligible(req, pending):
+                why = "no chain" if req.tree is None else "other"
+                why = why if req.decoding else "prefilling"
+                late.setdefault(why, []).append(req.request_id)
+        return "; ".join(f"{why}: {len(ids)} ({ids[0]}, ...)" for why, ids in late.items())
+
+    def _blocked(self, scheduler: Scheduler) -> str:
+        """What stops a run whatever the requests' own state ('' when nothing does)."""
         running = scheduler.running
         if self.active:
             return "a run is active"
@@ -193,18 +209,7 @@ class DeviceChain:
             return f"no graph bucket for {len(running)} requests"
         if not any(req.speculate for req in running):
             return "no request speculates"
-        late: dict[str, list[str]] = {}  # why -> requests
-        for req in running:
-            if not self._eligible(req, pending):
-                why = (
-                    "prefilling"
-                    if not req.decoding
-                    else "no chain"
-                    if req.tree is None
-                    else "other"
-                )
-                late.setdefault(why, []).append(req.request_id)
-        return "; ".join(f"{why}: {len(ids)} ({ids[0]}, ...)" for why, ids in late.items())
+        return ""
 
     def may_all_finish(self) -> bool:
         """Whether the unread steps may bring every request of the run to its length limit
